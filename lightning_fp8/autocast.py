@@ -1,0 +1,47 @@
+"""`fp8_autocast`: switch the FP8 path of converted layers on or off for a region of code.
+
+Converted layers compute in FP8 by default; `fp8_autocast(enabled=False)` makes them compute in high precision
+(BF16 under torch.autocast). `recipe=` overrides the recipe of every converted layer inside the region, and
+`calibrating=True` runs layers in high precision while recording amaxes (used by FP8Calibration).
+The state is thread-local, like torch.autocast's.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from lightning_fp8.recipe import FP8Recipe
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    enabled: bool = True
+    recipe: Optional[FP8Recipe] = None
+    calibrating: bool = False
+
+
+_DEFAULT = AutocastState()
+_local = threading.local()
+
+
+def current_state() -> AutocastState:
+    return getattr(_local, "state", _DEFAULT)
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, recipe: Optional[FP8Recipe] = None, calibrating: bool = False) -> Iterator[None]:
+    """Turn the FP8 path of converted layers on (default) or off inside the block."""
+    if recipe is not None and not isinstance(recipe, FP8Recipe):
+        raise TypeError(f"fp8_autocast(recipe=...) expects an FP8Recipe, got {type(recipe).__name__}")
+    previous = current_state()
+    _local.state = AutocastState(
+        enabled=bool(enabled),
+        recipe=recipe if recipe is not None else previous.recipe,
+        calibrating=bool(calibrating),
+    )
+    try:
+        yield
+    finally:
+        _local.state = previous

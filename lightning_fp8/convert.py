@@ -1,0 +1,139 @@
+"""Model conversion: which linears become FP8Linear, and why the others do not.
+
+Every linear that is left in high precision gets a recorded reason (`precision_map` reads them back), so a user
+can always answer "why is this layer not in FP8?".
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from lightning_fp8.modules.linear import FP8Linear
+from lightning_fp8.recipe import FP8Recipe
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+#: attribute set on a linear that conversion left in high precision
+SKIP_REASON_ATTR = "_fp8_skip_reason"
+
+
+@dataclass(frozen=True)
+class LayerPrecision:
+    """One row of the precision map."""
+
+    fqn: str
+    precision: str  # "fp8" or "bf16"
+    reason: str
+
+
+def default_skip_reason(
+    module: nn.Linear, fqn: str, recipe: FP8Recipe, is_first: bool, is_last: bool
+) -> Optional[str]:
+    """Why the default filter keeps this linear in BF16, or None to convert it."""
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
+    if module.in_features % 16 or module.out_features % 16:
+        return (
+            f"in/out features {module.in_features}x{module.out_features} are not multiples of 16 "
+            "(FP8 GEMMs need 16-aligned dimensions)"
+        )
+    for pattern in recipe.skip_patterns:
+        if fnmatch.fnmatchcase(fqn, pattern):
+            return f"name matches skip pattern {pattern!r}"
+    if recipe.keep_first_last_in_bf16 and is_first:
+        return "first linear layer kept in BF16 (recipe.keep_first_last_in_bf16)"
+    if recipe.keep_first_last_in_bf16 and is_last:
+        return "last linear layer kept in BF16 (recipe.keep_first_last_in_bf16)"
+    return None
+
+
+def _linears(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: Optional[FP8Recipe] = None,
+    module_filter: Optional[ModuleFilter] = None,
+) -> nn.Module:
+    """Replace the model's nn.Linear layers by FP8Linear in place, and return the model.
+
+    module_filter(module, fqn) -> bool, if given, replaces the default filter (True: convert). Layers already
+    converted are left alone, so converting twice is a no-op. A bare nn.Linear passed as `model` is returned
+    converted (there is no parent to replace it in).
+    """
+    recipe = recipe if recipe is not None else FP8Recipe()
+    if not isinstance(recipe, FP8Recipe):
+        raise TypeError(f"recipe must be an FP8Recipe, got {type(recipe).__name__}")
+    linears = _linears(model)
+    if not linears:
+        return model
+    first_fqn, last_fqn = linears[0][0], linears[-1][0]
+    decisions: Dict[str, Optional[str]] = {}
+    for fqn, module in linears:
+        if isinstance(module, FP8Linear):
+            continue
+        if module_filter is not None:
+            decisions[fqn] = None if module_filter(module, fqn) else "excluded by module_filter"
+        else:
+            decisions[fqn] = default_skip_reason(module, fqn, recipe, fqn == first_fqn, fqn == last_fqn)
+    if "" in decisions:  # the model itself is a linear
+        if decisions[""] is None:
+            return FP8Linear.from_linear(model, recipe)
+        setattr(model, SKIP_REASON_ATTR, decisions[""])
+        return model
+    for fqn, reason in decisions.items():
+        module = model.get_submodule(fqn)
+        if reason is None:
+            _replace(model, fqn, FP8Linear.from_linear(module, recipe))
+        else:
+            setattr(module, SKIP_REASON_ATTR, reason)
+    return model
+
+
+def revert_fp8(model: nn.Module) -> nn.Module:
+    """Undo `convert_to_fp8`: FP8Linear layers become nn.Linear again (same Parameters); returns the model."""
+    if isinstance(model, FP8Linear):
+        return _to_linear(model)
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, FP8Linear):
+            _replace(model, fqn, _to_linear(module))
+        elif isinstance(module, nn.Linear) and hasattr(module, SKIP_REASON_ATTR):
+            delattr(module, SKIP_REASON_ATTR)
+    return model
+
+
+def precision_map(model: nn.Module) -> List[LayerPrecision]:
+    """Every linear of the model: FP8 or BF16, and why."""
+    rows = []
+    for fqn, module in _linears(model):
+        if isinstance(module, FP8Linear):
+            if module.fp8_enabled:
+                rows.append(LayerPrecision(fqn, "fp8", "converted"))
+            else:
+                rows.append(LayerPrecision(fqn, "bf16", module.fp8_disabled_reason or "fp8_enabled=False"))
+        else:
+            rows.append(LayerPrecision(fqn, "bf16", getattr(module, SKIP_REASON_ATTR, "not converted")))
+    return rows
+
+
+def fp8_layers(model: nn.Module) -> Dict[str, FP8Linear]:
+    """The model's FP8Linear layers by fully qualified name, in module order."""
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Linear)}
+
+
+def _to_linear(module: FP8Linear) -> nn.Linear:
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    linear.weight = module.weight
+    linear.bias = module.bias
+    linear.train(module.training)
+    return linear
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child_name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child_name, new)
