@@ -1,0 +1,92 @@
+"""Device kernels of lightning-fp8 (shipped as `lightning_fp8.kernels`).
+
+Importing this package never imports triton: the Triton code lives in `triton_cast.py` and is loaded on first
+use, only when triton is importable. Without triton (or without CUDA) every op runs its torch twin from
+`reference.py`, which is defined by `lightning_fp8.numerics`.
+
+Switches (environment variables, read at call time):
+  LIGHTNING_FP8_DISABLE_TRITON=1   never use the Triton kernels (the torch reference everywhere)
+  LIGHTNING_FP8_SOFT_CAST=1        use the kernels' exact integer FP8 rounding instead of the hardware cvt
+  LIGHTNING_FP8_TRITON_RAND=1      stochastic rounding draws its noise inside the kernel (tl.rand) instead of
+                                   reading a torch.rand tensor: saves 8 bytes/element, not bit-identical to the
+                                   reference path
+  TRITON_INTERPRET=1               (triton's own) kernels run on CPU tensors in triton's interpreter; used by the
+                                   CPU tests. Must be set before the kernels are first imported.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+#: dtypes the cast kernels read (anything else goes through the reference)
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when `import triton` works here (it is not a dependency of lightning-fp8)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # a broken install counts as absent
+        return False
+    return True
+
+
+def triton_disabled() -> bool:
+    return _env_flag("LIGHTNING_FP8_DISABLE_TRITON")
+
+
+def interpreter_enabled() -> bool:
+    return _env_flag("TRITON_INTERPRET")
+
+
+def triton_enabled_for(x: torch.Tensor) -> bool:
+    """Whether the ops run `x` through the Triton kernel: a CUDA tensor (or a CPU tensor under the interpreter),
+    a dtype the kernel reads, triton importable and not disabled."""
+    if x.dtype not in KERNEL_INPUT_DTYPES or triton_disabled():
+        return False
+    if x.device.type == "cuda":
+        return triton_available()
+    return x.device.type == "cpu" and interpreter_enabled() and triton_available()
+
+
+def fused_cast_enabled_for(x: torch.Tensor) -> bool:
+    """Whether `scaled_cast` takes the fused path for `x`: CUDA only (the interpreter is for tests, which call
+    the ops directly)."""
+    return x.device.type == "cuda" and triton_enabled_for(x)
+
+
+def use_soft_cast(x: torch.Tensor) -> bool:
+    """Exact integer FP8 rounding instead of the hardware cvt: under the interpreter (its fp8 conversion mis-rounds
+    values that round up across a power of two), or when asked."""
+    return x.device.type != "cuda" or _env_flag("LIGHTNING_FP8_SOFT_CAST")
+
+
+def in_kernel_rand() -> bool:
+    return _env_flag("LIGHTNING_FP8_TRITON_RAND")
+
+
+from lightning_fp8.kernels.ops import fp8_amax, fp8_cast  # noqa: E402  (registers the custom ops)
+
+__all__ = [
+    "triton_available",
+    "triton_disabled",
+    "triton_enabled_for",
+    "fused_cast_enabled_for",
+    "interpreter_enabled",
+    "use_soft_cast",
+    "in_kernel_rand",
+    "fp8_cast",
+    "fp8_amax",
+    "KERNEL_INPUT_DTYPES",
+]

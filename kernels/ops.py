@@ -1,0 +1,131 @@
+"""`torch.library` custom ops around the cast kernels, so `torch.compile` traces them as opaque nodes.
+
+  lightning_fp8::fp8_cast(x, scale, fmt, noise?, seed?, skip_if?, write_row, write_t, compute_amax)
+      -> (x_fp8 [M,N] or empty, x_fp8^T [N,M] or empty, amax float32 0-d (0 where not computed))
+
+Each op runs the Triton kernel where it can (CUDA tensor, triton importable, not disabled; or a CPU tensor under
+TRITON_INTERPRET=1) and the torch reference (`reference.py`) everywhere else, so the op is valid on every device
+and its fake implementation only has to describe shapes.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from lightning_fp8.kernels import reference, triton_available, triton_enabled_for, use_soft_cast
+from lightning_fp8.numerics.formats import get_format
+
+Tensor = torch.Tensor
+
+
+def _empty(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty((0,), dtype=dtype, device=x.device)
+
+
+@torch.library.custom_op("lightning_fp8::fp8_cast", mutates_args=())
+def fp8_cast_op(
+    x: Tensor,
+    scale: Tensor,
+    fmt: str,
+    noise: Optional[Tensor],
+    seed: Optional[Tensor],
+    skip_if: Optional[Tensor],
+    write_row: bool,
+    write_t: bool,
+    compute_amax: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    f = get_format(fmt)
+    if triton_enabled_for(x):
+        from lightning_fp8.kernels.triton_cast import launch_cast
+
+        out, out_t, amax = launch_cast(
+            x,
+            scale.reshape(()).to(torch.float32),
+            f,
+            write_row=write_row,
+            write_t=write_t,
+            compute_amax=compute_amax,
+            noise=noise.reshape(x.shape) if noise is not None else None,
+            seed=seed,
+            skip_if=skip_if,
+            hw_cast=not use_soft_cast(x),
+        )
+        out = out.view(f.dtype) if out is not None else None
+        out_t = out_t.view(f.dtype) if out_t is not None else None
+    else:
+        if skip_if is not None and not (write_row or write_t):
+            out, out_t = None, None
+            amax = reference.amax_reference(x, skip_if) if compute_amax else None
+        else:
+            out, out_t, amax = reference.cast_reference(
+                x,
+                scale,
+                f,
+                write_row=write_row,
+                write_t=write_t,
+                compute_amax=compute_amax,
+                noise=noise.reshape(x.shape) if noise is not None else None,
+                stochastic=seed is not None,
+                generator=_generator_from_seed(seed),
+            )
+    return (
+        out if out is not None else _empty(x, f.dtype),
+        out_t if out_t is not None else _empty(x, f.dtype),
+        amax if amax is not None else torch.zeros((), dtype=torch.float32, device=x.device),
+    )
+
+
+def _generator_from_seed(seed: Optional[Tensor]) -> Optional[torch.Generator]:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=seed.device)
+    gen.manual_seed(int(seed.reshape(-1)[0].item()))
+    return gen
+
+
+@fp8_cast_op.register_fake
+def _fp8_cast_fake(x, scale, fmt, noise, seed, skip_if, write_row, write_t, compute_amax):
+    torch._check(x.dim() == 2, lambda: "fp8_cast expects a 2-D tensor")
+    dtype = get_format(fmt).dtype
+    m, n = x.shape
+    out = x.new_empty((m, n), dtype=dtype) if write_row else x.new_empty((0,), dtype=dtype)
+    out_t = x.new_empty((n, m), dtype=dtype) if write_t else x.new_empty((0,), dtype=dtype)
+    return out, out_t, x.new_empty((), dtype=torch.float32)
+
+
+def fp8_cast(
+    x: Tensor,
+    scale: Optional[Tensor],
+    fmt,
+    *,
+    write_row: bool = True,
+    write_t: bool = False,
+    compute_amax: bool = True,
+    noise: Optional[Tensor] = None,
+    seed: Optional[Tensor] = None,
+    skip_if: Optional[Tensor] = None,
+):
+    """Python face of the op for a 2-D `x`: returns (x_fp8 or None, x_fp8^T or None, amax or None).
+
+    `fmt` is an FP8Format or its name. With `noise` (uniform [0,1), x's shape) the cast rounds stochastically and
+    is bit-exact with `quantize(x, scale, fmt, "stochastic", noise=noise)`; with `seed` (int64 tensor of one
+    element) the noise is drawn inside the kernel (philox), reproducible for a seed but a different stream from
+    torch.rand. `skip_if` (a bool device flag) turns an amax-only call into a no-op returning 0 where set."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    if skip_if is not None and (write_row or write_t):
+        raise ValueError("fp8_cast: skip_if is only for amax-only calls (write_row=write_t=False)")
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    out, out_t, amax = torch.ops.lightning_fp8.fp8_cast(
+        x, scale, name, noise, seed, skip_if, write_row, write_t, compute_amax
+    )
+    return (out if write_row else None, out_t if write_t else None, amax if compute_amax else None)
+
+
+def fp8_amax(x: Tensor, skip_if: Optional[Tensor] = None) -> Tensor:
+    """max|x| (float32, 0-d, NaN/inf propagate) of a 2-D tensor in one read; 0 where `skip_if` is set."""
+    return fp8_cast(x, None, "e4m3", write_row=False, write_t=False, compute_amax=True, skip_if=skip_if)[2]
+
+
+__all__ = ["fp8_cast", "fp8_amax", "fp8_cast_op", "triton_available"]
