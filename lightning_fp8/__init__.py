@@ -3,11 +3,13 @@ from lightning_fp8.autocast import fp8_autocast
 from lightning_fp8.convert import convert_to_fp8, fp8_layers, precision_map, revert_fp8
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.trainer import FP8Precision
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FP8Recipe",
+    "FP8Precision",
     "FP8Linear",
     "convert_to_fp8",
     "revert_fp8",

@@ -3,6 +3,21 @@
 Emulation is not a fake: its operands are real FP8 tensors. Every E4M3/E5M2 value is exact in float32, so
 converting them and multiplying in float32 gives the FP8 GEMM's result up to summation order; the two dequant scales
 are applied to the float32 accumulator and the output is rounded once, as `_scaled_mm` does.
+
+The GEMM is registered as the custom op `lightning_fp8::fp8_gemm` (with a fake implementation), so
+`torch.compile` traces it as one opaque node on every backend instead of breaking the graph on the backend
+choice, the once-only warning or the layout fix-ups.
+
+`torch._scaled_mm` contract (torch 2.4 .. 2.13, checked against `meta_scaled_mm` and the CUDA checks):
+  - mat1 (M, K) row-major, mat2 (K, N) column-major; K and N multiples of 16 (M free);
+  - both operands float8 (e4m3fn / e5m2), never both e5m2 ("Multiplication of two Float8_e5m2 matrices is not
+    supported");
+  - tensor-wise scales: float32, one element each, the *dequant* scales (x ~= x_fp8 * scale);
+  - out_dtype bfloat16 / float16 / float32; bias (N,) only for a bf16/fp16 output and of the output's dtype
+    (no bias with a float32 output);
+  - use_fast_accum=True trades accumulation precision for speed: fine for the forward GEMM, not for gradients.
+This module pads K and N with zeros (exact: padded products are zero), fixes layouts with one copy where needed,
+adds a float32-output bias after the GEMM, and emulates the e5m2 x e5m2 product.
 """
 from __future__ import annotations
 
@@ -12,16 +27,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+Tensor = torch.Tensor
+
 
 class FP8EmulationWarning(UserWarning):
     """FP8 GEMMs are emulated (no FP8 tensor cores here): numerics are FP8, speed is not."""
 
 
 _warned_devices: set = set()
+_warned_e5m2 = False
+
+#: out_dtypes `_scaled_mm` produces directly
+_SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
     """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or newer)."""
+    device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -54,52 +76,153 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def fp8_gemm(
-    a: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b: torch.Tensor,
-    b_scale_inv: torch.Tensor,
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
     out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None,
+    bias: Optional[Tensor] = None,
     use_fast_accum: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
-    """out = (a * a_scale_inv) @ (b * b_scale_inv) + bias, for FP8 `a` (M, K) and `b` (K, N) in any layout."""
+) -> Tensor:
+    """out = (a * a_scale_inv) @ (b * b_scale_inv) + bias, for FP8 `a` (M, K) and `b` (K, N) in any layout.
+
+    Scales are the dequant scales (1 / the quantization scale), float32 scalars."""
+    return torch.ops.lightning_fp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum, backend)
+
+
+@torch.library.custom_op("lightning_fp8::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor],
+    use_fast_accum: bool,
+    backend: str,
+) -> Tensor:
     resolved = resolve_backend(backend, a.device)
-    if resolved == "scaled_mm" and b.shape[1] % 16 == 0:  # K is padded below; N cannot be
+    if resolved == "scaled_mm" and _scaled_mm_applies(a, b):
         return _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
     return emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
-def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> torch.Tensor:
+@_fp8_gemm_op.register_fake
+def _fp8_gemm_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum, backend):
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm expects 2-D operands")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"fp8_gemm: inner dimensions differ: {a.shape} @ {b.shape}")
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _fp8_gemm_setup_context(ctx, inputs, output):
+    ctx.bias_dtype = inputs[5].dtype if inputs[5] is not None else None
+
+
+def _fp8_gemm_backward(ctx, grad):
+    # Only the bias can require grad (FP8 tensors cannot); FP8Linear calls the op inside its own autograd.Function
+    # and never reaches this, but a direct caller with a trainable bias gets the right gradient.
+    grad_bias = grad.to(torch.float32).sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+    return None, None, None, None, None, grad_bias, None, None
+
+
+_fp8_gemm_op.register_autograd(_fp8_gemm_backward, setup_context=_fp8_gemm_setup_context)
+
+
+def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tensor:
     """float32 product of the exact float32 images of the FP8 operands, scaled once, rounded once."""
     acc = torch.mm(a.to(torch.float32), b.to(torch.float32))
-    out = acc * (a_scale_inv * b_scale_inv)
+    out = acc * (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32))
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
 
 
-def _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum) -> torch.Tensor:
-    # _scaled_mm wants `a` row-major and `b` column-major; the inner dimension a multiple of 16 (zero padding is
-    # exact: padded products are zero).
-    k = a.shape[1]
-    pad = (-k) % 16
-    if pad:
-        a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
-        b = F.pad(b.view(torch.uint8).t(), (0, pad)).view(b.dtype).t()
-    a = a.contiguous()
-    if not (b.stride(0) == 1 and b.stride(1) == b.shape[0]):
-        b = b.t().contiguous().t()
-    bias_arg = bias.to(out_dtype) if (bias is not None and out_dtype != torch.float32) else None
+def _scaled_mm_applies(a: Tensor, b: Tensor) -> bool:
+    """Cases `_scaled_mm` cannot take (emulated instead): empty operands, e5m2 x e5m2."""
+    global _warned_e5m2
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        if not _warned_e5m2:
+            _warned_e5m2 = True
+            warnings.warn(
+                "lightning_fp8: torch._scaled_mm cannot multiply two e5m2 matrices (a cuBLASLt restriction); this "
+                "GEMM (format='e5m2' recipe, gradient GEMM) is emulated and runs at float32 speed.",
+                FP8EmulationWarning,
+                stacklevel=3,
+            )
+        return False
+    return True
+
+
+def _is_row_major(t: Tensor) -> bool:
+    # _scaled_mm's own test: stride[0] > stride[1] and stride[1] == 1
+    return t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]) and t.stride(0) > t.stride(1)
+
+
+def _is_col_major(t: Tensor) -> bool:
+    # stride[0] == 1 and stride[1] > 1
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0]) and t.stride(1) > 1
+
+
+def _row_major(t: Tensor) -> Tensor:
+    if _is_row_major(t):
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _col_major(t: Tensor) -> Tensor:
+    if _is_col_major(t):
+        return t
+    return _row_major(t.t()).t()
+
+
+def _pad_cols(t: Tensor, pad: int) -> Tensor:
+    """Zero-pad the last dimension of a 2-D FP8 tensor (byte 0 is +0.0 in both formats); row-major result."""
+    return F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+
+
+def _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum) -> Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    pad_k = (-k) % 16
+    pad_n = (-n) % 16
+    if pad_k:
+        a = _pad_cols(a, pad_k)  # (M, K+pad) row-major
+    a = _row_major(a)
+    if pad_k or pad_n:
+        bt = b.t()  # (N, K)
+        if pad_k:
+            bt = _pad_cols(bt, pad_k)
+        if pad_n:
+            bt = F.pad(bt.view(torch.uint8), (0, 0, 0, pad_n)).view(b.dtype)
+        b = _row_major(bt).t()  # (K+pad_k, N+pad_n) column-major
+    b = _col_major(b)
+    mm_dtype = out_dtype if out_dtype in _SCALED_MM_OUT_DTYPES else torch.float32
+    bias_arg = None
+    if bias is not None and mm_dtype != torch.float32:
+        bias_arg = bias.to(mm_dtype)
+        if pad_n:
+            bias_arg = F.pad(bias_arg, (0, pad_n))
     out = torch._scaled_mm(
         a,
         b,
         scale_a=a_scale_inv.to(torch.float32).reshape(()),
         scale_b=b_scale_inv.to(torch.float32).reshape(()),
         bias=bias_arg,
-        out_dtype=out_dtype,
+        out_dtype=mm_dtype,
         use_fast_accum=use_fast_accum,
     )
+    if pad_n:
+        out = out[:, :n]
     if bias is not None and bias_arg is None:
-        out = out + bias.to(out_dtype)
+        out = out + bias.to(mm_dtype)
+    if out.dtype != out_dtype or pad_n:
+        out = out.to(out_dtype).contiguous()
     return out
+
+
+__all__ = ["fp8_gemm", "emulated_gemm", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]

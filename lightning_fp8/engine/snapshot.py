@@ -1,0 +1,58 @@
+"""Rollback snapshots: the last known-good training state, kept in host memory.
+
+A snapshot holds everything a step can change: model parameters and buffers (which include every layer's FP8
+scaling state), each optimizer's state, and the engine's own state (loss scaler). Restoring copies values back into
+the live tensors in place, so optimizer references to Parameters stay valid.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+
+def _to_host(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class Snapshot:
+    def __init__(self, step: int, model: nn.Module, optimizers: List[torch.optim.Optimizer], extra: Dict[str, Any]):
+        self.step = step
+        self.model_state = _to_host(model.state_dict())
+        self.optimizer_states = [_to_host(opt.state_dict()) for opt in optimizers]
+        self.extra = copy.deepcopy(extra)
+
+    @torch.no_grad()
+    def restore(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> Dict[str, Any]:
+        live = model.state_dict()
+        for key, value in self.model_state.items():
+            live[key].copy_(value)
+        for opt, state in zip(optimizers, self.optimizer_states):
+            opt.load_state_dict(copy.deepcopy(state))
+        return copy.deepcopy(self.extra)
+
+    def nbytes(self) -> int:
+        total = 0
+
+        def count(obj):
+            nonlocal total
+            if isinstance(obj, torch.Tensor):
+                total += obj.numel() * obj.element_size()
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    count(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    count(v)
+
+        count(self.model_state)
+        count(self.optimizer_states)
+        return total

@@ -1,0 +1,134 @@
+"""FP8Precision for the Lightning Trainer: `Trainer(plugins=FP8Precision())`.
+
+A thin translation of Lightning's precision hooks into FP8TrainingEngine calls; the numerics and the stability logic
+live in lightning_fp8.engine.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from lightning_fp8.plugin_core import FP8PrecisionCore, split_fp8_meta
+
+
+class FP8Precision(FP8PrecisionCore, Precision):
+    """Train an unchanged LightningModule with its linear layers in FP8.
+
+    Args:
+        recipe: an FP8Recipe (formats, scaling, which layers); or
+        preset: a named recipe: "default", "conservative", "mellempudi" (see lightning_fp8.presets).
+        module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
+        loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
+            Steps with non-finite gradients are skipped in every mode.
+        snapshot_every: optimizer steps between host-memory snapshots used for rollback.
+        max_consecutive_skips: skipped steps in a row that trigger a rollback.
+        max_rollbacks: rollbacks allowed within `rollback_window` steps before training stops with an error.
+        spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
+        optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (Adam/AdamW become FP8AdamW).
+        compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
+        fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
+
+    Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        FP8PrecisionCore.__init__(self, *args, **kwargs)
+
+    # -- contexts -----------------------------------------------------------------------------------------------
+    def forward_context(self):
+        return self._fp8_context(True)
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        with self._fp8_context(True):
+            yield
+
+    @contextlib.contextmanager
+    def val_step_context(self) -> Iterator[None]:
+        with self._fp8_context(self.fp8_eval):
+            yield
+
+    @contextlib.contextmanager
+    def test_step_context(self) -> Iterator[None]:
+        with self._fp8_context(self.fp8_eval):
+            yield
+
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Iterator[None]:
+        with self._fp8_context(self.fp8_eval):
+            yield
+
+    # -- optimizers ---------------------------------------------------------------------------------------------
+    def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
+        if self.optimizer_state == "fp8":
+            optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
+        return model, optimizers, lr_schedulers
+
+    def _to_fp8_optimizer(self, optimizer: Optimizer, lr_scheduler_configs: List[Any]) -> Optimizer:
+        from lightning_fp8.optim import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
+
+        new = to_fp8_optimizer(optimizer, **self.optimizer_kwargs)
+        if new is None:
+            rank_zero_warn(unsupported_optimizer_message(optimizer))
+            return optimizer
+        rebind_lr_schedulers([config.scheduler for config in lr_scheduler_configs], optimizer, new)
+        self.engine.replace_optimizer(optimizer, new)
+        return new
+
+    # -- backward and step --------------------------------------------------------------------------------------
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        tensor = self.engine.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException("FP8Precision does not support LBFGS: it must evaluate the closure itself.")
+        closure_result = closure()
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            self.engine.skip_step()  # training_step returned None: Lightning skips backward, nothing to apply
+            return None
+        self.engine.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping on unscaled grads
+        self.engine.step(optimizer, lambda: optimizer.step(**kwargs))
+        self._log_counters(model)
+        return closure_result
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_grad_value_(optimizer, clip_val)
+        else:
+            self.engine.clip_grad_norm_(optimizer, clip_val)
+
+    def _log_counters(self, model: Any) -> None:
+        log_dict = getattr(model, "log_dict", None)
+        trainer = getattr(model, "_trainer", None)
+        if log_dict is None or trainer is None:
+            return
+        log_dict(self.engine.metrics(), on_step=True, on_epoch=False, prog_bar=False, logger=bool(trainer.loggers))
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        # Lightning restores module weights *before* the precision plugin converts the module, so FP8 metadata in
+        # checkpoint["state_dict"] would break a strict load. It travels in the plugin's own entry instead and is
+        # loaded in load_state_dict, once the model is converted. A side benefit: the checkpoint's state_dict loads
+        # into the plain (unconverted) model, e.g. through LightningModule.load_from_checkpoint.
+        meta = split_fp8_meta(checkpoint.get("state_dict", {}))
+        checkpoint.setdefault(type(self).__qualname__, self.state_dict())["fp8_meta"] = meta
+
+
+__all__ = ["FP8Precision"]

@@ -1,0 +1,75 @@
+"""Small models and data shared by the plugin tests."""
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(n=256, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, d, generator=g) / d**0.5
+    return TensorDataset(x, x @ w)
+
+
+def loader(n=256, d=32, batch_size=32, seed=0):
+    return DataLoader(regression_data(n, d, seed), batch_size=batch_size, shuffle=False)
+
+
+def mlp(d=32, hidden=64):
+    return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+
+class RegressionModule(L.LightningModule):
+    """Four linears: the two middle ones go to FP8 under the default filter (first and last stay BF16)."""
+
+    def __init__(self, d=32, hidden=64, lr=1e-2, build_in_configure_model=False):
+        super().__init__()
+        self.d, self.hidden, self.lr = d, hidden, lr
+        self.net = None if build_in_configure_model else mlp(d, hidden)
+        self.losses = []
+        self.fault = None  # callable(module, batch_idx) used by fault-injection tests
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = mlp(self.d, self.hidden)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.fault is not None:
+            x = self.fault(self, x, batch_idx)
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x).float(), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def trainer(**kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_epochs=1,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
