@@ -1,0 +1,235 @@
+"""Shape-aware auto filter: keep a linear in BF16 where FP8 cannot be faster.
+
+FP8 halves GEMM time at best, and pays for it with casts that move bytes (and, in eager mode, launch tiny
+kernels). For a linear y = x W^T with M tokens, K inputs and N outputs, one training step runs three GEMMs of
+2*M*K*N flops each (forward, dgrad, wgrad). The model below compares, per step and per layer:
+
+  BF16:  3 GEMMs, each max(flops / (eff * bf16_peak), bytes / hbm_bw) + launch, operands 2 bytes/element
+  FP8:   3 GEMMs on 1-byte operands at the FP8 rate, plus the casts of the fused path (docs/benchmarks.md has
+         the byte count): x -> x_fp8, x_fp8^T; W -> W_fp8, W_fp8^T; dY -> dY_fp8, dY_fp8^T, each a read of the
+         high-precision tensor and two 1-byte writes, plus the per-cast scale bookkeeping launches
+
+It is a roofline with measured efficiencies, not a benchmark: good enough to keep 4096x1024x1024-sized layers
+(and smaller) in BF16 and to convert 16384x4096x14336. `benchmarks/linear.py` measures the real crossover on a
+GPU; the table below is where to put what it finds.
+
+On CPU, or a GPU without FP8 tensor cores, FP8 is emulated: there is no speed to win or lose, so nothing is
+filtered ("FP8 emulated: no speed model").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+EMULATED_REASON = "FP8 emulated: no speed model"
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Throughput facts of one GPU. Peaks are dense (no sparsity) tensor-core rates."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    hbm_tbps: float
+    #: fraction of peak a large GEMM reaches (measured: 8192^3 bf16 at 769-798 TFLOP/s on H100 and H200 here)
+    bf16_efficiency: float = 0.80
+    #: FP8 GEMMs (cuBLASLt via _scaled_mm) reach a smaller fraction of their doubled peak
+    fp8_efficiency: float = 0.65
+    #: fraction of HBM bandwidth an elementwise cast kernel reaches
+    bw_efficiency: float = 0.85
+    #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels)
+    launch_s: float = 6e-6
+
+
+#: Vendor peak numbers; efficiencies from the measurements noted on GPUSpec. Matched against
+#: torch.cuda.get_device_name() by substring, first match wins (so "H100 PCIe" before "H100").
+GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
+    ("H200", GPUSpec("H200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=4.8)),
+    ("GH200", GPUSpec("GH200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=4.0)),
+    ("H100 PCIe", GPUSpec("H100 PCIe", bf16_tflops=756.0, fp8_tflops=1513.0, hbm_tbps=2.0)),
+    ("H100 NVL", GPUSpec("H100 NVL", bf16_tflops=835.0, fp8_tflops=1671.0, hbm_tbps=3.9)),
+    ("H100", GPUSpec("H100 SXM", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35)),
+    ("H800", GPUSpec("H800", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35)),
+    ("L40S", GPUSpec("L40S", bf16_tflops=362.0, fp8_tflops=733.0, hbm_tbps=0.864)),
+    ("4090", GPUSpec("RTX 4090", bf16_tflops=165.0, fp8_tflops=330.0, hbm_tbps=1.0)),
+)
+
+#: small kernels per FP8 linear step besides the GEMMs: 3 fused casts (+ amax pre-passes) and the torch ops of
+#: scale_for_cast / record for each (about a dozen tiny launches per cast in eager mode) ...
+FP8_EXTRA_LAUNCHES = 3 * 14
+#: ... and under torch.compile, where inductor fuses the bookkeeping: about 3 launches per cast
+FP8_EXTRA_LAUNCHES_COMPILED = 3 * 3
+
+DeviceLike = Union[None, str, torch.device, GPUSpec]
+
+
+def spec_for_name(device_name: str) -> Optional[GPUSpec]:
+    for key, spec in GPU_SPECS:
+        if key.lower() in device_name.lower():
+            return spec
+    return None
+
+
+def resolve_spec(device: DeviceLike = None) -> Tuple[Optional[GPUSpec], str]:
+    """(spec, note): the speed model for `device`, or None with the reason there is none."""
+    if isinstance(device, GPUSpec):
+        return device, device.name
+    if isinstance(device, str) and not _looks_like_device(device):
+        spec = spec_for_name(device)
+        return (spec, spec.name) if spec else (None, f"no speed model for GPU {device!r}")
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, EMULATED_REASON
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return None, EMULATED_REASON
+    name = torch.cuda.get_device_name(device)
+    spec = spec_for_name(name)
+    return (spec, spec.name) if spec else (None, f"no speed model for GPU {name!r}; FP8 kept")
+
+
+def _looks_like_device(s: str) -> bool:
+    return s.split(":")[0] in ("cpu", "cuda", "meta", "mps", "xpu")
+
+
+def _gemm_s(flops: float, bytes_moved: float, tflops: float, eff: float, spec: GPUSpec) -> float:
+    return max(flops / (tflops * 1e12 * eff), bytes_moved / (spec.hbm_tbps * 1e12 * spec.bw_efficiency)) + spec.launch_s
+
+
+def step_times(m: int, k: int, n: int, spec: GPUSpec, weight_bytes: int = 4, compiled: bool = False) -> Tuple[float, float]:
+    """(bf16_seconds, fp8_seconds) of one forward+backward of an M x K x N linear on `spec` (model, not measured).
+
+    weight_bytes: bytes/element of the high-precision weight and its gradient (4 for fp32 master weights).
+    compiled: the model runs under torch.compile (fewer small launches per cast)."""
+    flops = 2.0 * m * k * n
+    bf16_eff, fp8_eff = spec.bf16_efficiency, spec.fp8_efficiency
+    # BF16: operands and output 2 bytes; wgrad writes the weight gradient in weight_bytes
+    bf16 = (
+        _gemm_s(flops, 2 * (m * k + k * n + m * n), spec.bf16_tflops, bf16_eff, spec)  # fwd
+        + _gemm_s(flops, 2 * (m * n + k * n + m * k), spec.bf16_tflops, bf16_eff, spec)  # dgrad
+        + _gemm_s(flops, 2 * (m * n + m * k) + weight_bytes * k * n, spec.bf16_tflops, bf16_eff, spec)  # wgrad
+        + 2 * spec.launch_s  # autocast's weight cast to bf16 (one launch; its bytes below)
+        + (weight_bytes + 2) * k * n / (spec.hbm_tbps * 1e12 * spec.bw_efficiency)
+    )
+    fp8 = (
+        _gemm_s(flops, (m * k + k * n) + 2 * m * n, spec.fp8_tflops, fp8_eff, spec)
+        + _gemm_s(flops, (m * n + k * n) + 2 * m * k, spec.fp8_tflops, fp8_eff, spec)
+        + _gemm_s(flops, (m * n + m * k) + weight_bytes * k * n, spec.fp8_tflops, fp8_eff, spec)
+    )
+    # fused casts: read the high-precision tensor once, write FP8 in both layouts (2 bytes/element)
+    cast_bytes = (2 + 2) * m * k + (weight_bytes + 2) * k * n + (2 + 2) * m * n
+    launches = FP8_EXTRA_LAUNCHES_COMPILED if compiled else FP8_EXTRA_LAUNCHES
+    fp8 += cast_bytes / (spec.hbm_tbps * 1e12 * spec.bw_efficiency) + launches * spec.launch_s
+    return bf16, fp8
+
+
+def fp8_wins(
+    m: int, k: int, n: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+) -> Tuple[bool, str]:
+    """Whether an M x K x N linear (M tokens per step) is faster in FP8 than in BF16 on `device`, and why.
+
+    device: None (the current CUDA device, else CPU), a torch.device / "cuda:0" / "cpu", a GPU name ("H100",
+    "H200"), or a GPUSpec. Where FP8 is emulated the answer is (True, "FP8 emulated: no speed model"): nothing to
+    gain or lose, so nothing is filtered. min_speedup: FP8 must beat BF16 by this factor to be chosen.
+    compiled: the step runs under torch.compile (the per-cast bookkeeping fuses; small layers lose less)."""
+    spec, note = resolve_spec(device)
+    if spec is None:
+        return True, note
+    bf16_s, fp8_s = step_times(m, k, n, spec, compiled=compiled)
+    speedup = bf16_s / fp8_s
+    detail = (
+        f"{m}x{k}x{n} fwd+bwd on {spec.name}: est. FP8 {fp8_s * 1e3:.3f} ms vs BF16 {bf16_s * 1e3:.3f} ms "
+        f"({speedup:.2f}x)"
+    )
+    if speedup >= min_speedup:
+        return True, f"FP8 faster: {detail}"
+    return False, f"kept in BF16 by the shape filter: {detail}"
+
+
+class AutoShapeFilter:
+    """module_filter(module, fqn) -> bool for `convert_to_fp8`: True converts the linear to FP8.
+
+    Keeps a linear in BF16 where `fp8_wins` says FP8 would be slower for `tokens_per_batch` tokens per step, and
+    (as the default filter does) where its features are not multiples of 16 or nn.MultiheadAttention uses it
+    functionally. Every decision is kept: `decisions[fqn] = (convert, reason)`; `skip_reason(module, fqn)` returns
+    the reason a layer stays in BF16 (or None), in the convention of `convert.default_skip_reason`, and the
+    filter also stores it on the module as `_fp8_skip_reason` (which `precision_map` reads)."""
+
+    def __init__(
+        self, tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+    ) -> None:
+        if not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch must be a positive int, got {tokens_per_batch!r}")
+        self.tokens_per_batch = tokens_per_batch
+        self.device = device
+        self.min_speedup = min_speedup
+        self.compiled = compiled
+        self.decisions: Dict[str, Tuple[bool, str]] = {}
+
+    def skip_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
+        if not isinstance(module, nn.Linear):
+            return "not an nn.Linear"
+        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            reason: Optional[str] = "used functionally by nn.MultiheadAttention (its forward never calls the module)"
+        elif module.in_features % 16 or module.out_features % 16:
+            reason = (
+                f"in/out features {module.in_features}x{module.out_features} are not multiples of 16 "
+                "(FP8 GEMMs need 16-aligned dimensions)"
+            )
+        else:
+            device = self.device if self.device is not None else module.weight.device
+            wins, why = fp8_wins(
+                self.tokens_per_batch, module.in_features, module.out_features, device, self.min_speedup, self.compiled
+            )
+            reason = None if wins else why
+            self.decisions[fqn] = (wins, why)
+            if wins:
+                return None
+        self.decisions[fqn] = (False, reason)
+        return reason
+
+    def __call__(self, module: nn.Module, fqn: str) -> bool:
+        reason = self.skip_reason(module, fqn)
+        if reason is not None:
+            setattr(module, "_fp8_skip_reason", reason)
+        return reason is None
+
+
+def auto_filter(
+    tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+) -> AutoShapeFilter:
+    """A module_filter for `convert_to_fp8(model, module_filter=auto_filter(tokens_per_batch))` (see
+    AutoShapeFilter). tokens_per_batch: rows of the activations each linear sees per step (batch x sequence
+    length per device, per micro-batch)."""
+    return AutoShapeFilter(tokens_per_batch, device, min_speedup, compiled)
+
+
+def shape_skip_reason(
+    module: nn.Linear,
+    tokens_per_batch: int,
+    device: DeviceLike = None,
+    min_speedup: float = 1.0,
+    compiled: bool = False,
+) -> Optional[str]:
+    """For `default_skip_reason`: the reason to keep `module` in BF16 on speed grounds, or None to convert it."""
+    device = device if device is not None else module.weight.device
+    wins, why = fp8_wins(tokens_per_batch, module.in_features, module.out_features, device, min_speedup, compiled)
+    return None if wins else why
+
+
+__all__ = [
+    "GPUSpec",
+    "GPU_SPECS",
+    "EMULATED_REASON",
+    "fp8_wins",
+    "step_times",
+    "auto_filter",
+    "AutoShapeFilter",
+    "shape_skip_reason",
+    "resolve_spec",
+]
