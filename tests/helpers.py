@@ -28,7 +28,7 @@ class RegressionModule(L.LightningModule):
         self.d, self.hidden, self.lr = d, hidden, lr
         self.net = None if build_in_configure_model else mlp(d, hidden)
         self.losses = []
-        self.fault = None  # callable(module, batch_idx) used by fault-injection tests
+        self.fault = None  # callable(module, x, y) -> (x, y) used by fault-injection tests
 
     def configure_model(self):
         if self.net is None:
@@ -40,7 +40,7 @@ class RegressionModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.fault is not None:
-            x = self.fault(self, x, batch_idx)
+            x, y = self.fault(self, x, y)
         loss = nn.functional.mse_loss(self(x).float(), y)
         self.losses.append(loss.item())
         self.log("train_loss", loss)

@@ -1,0 +1,158 @@
+"""Optional Transformer Engine backend: the same FP8Recipe, run by NVIDIA's TE modules instead of FP8Linear.
+
+    from lightning_fp8.te_backend import convert_to_te, te_autocast
+    model = convert_to_te(model, recipe)           # nn.Linear -> te.Linear (weights copied)
+    with te_autocast(recipe):                      # te.autocast / te.fp8_autocast with a recipe built from ours
+        loss = model(x).sum()
+
+Only TE's public API is used: `transformer_engine.pytorch.Linear`, `transformer_engine.pytorch.autocast` (TE 2.x,
+`recipe=`) or the older `transformer_engine.pytorch.fp8_autocast` (`fp8_recipe=`), and
+`transformer_engine.common.recipe.{Format, DelayedScaling, Float8CurrentScaling}`. TE is not a dependency
+(`pip install lightning-fp8[te]`); without it every entry point raises an ImportError that says so.
+
+What maps and what does not:
+  format hybrid/e4m3      -> Format.HYBRID / Format.E4M3 (TE's recipes take no all-E5M2 format: ValueError)
+  scaling delayed         -> DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo)
+  scaling current         -> Float8CurrentScaling(fp8_format) (TE >= 2.2)
+  rounding="stochastic", scale_gradients=False, power_of_2_scales=True -> ValueError: TE has no equivalent
+The engine's loss scaling, rollback and fallback keep working on top (they act on parameters and gradients),
+but TE layers have no `fp8_enabled` switch and no ScalingState, so per-layer fallback and the scale monitor see
+them as plain layers. Unverified here: this machine has neither a GPU nor TE; only the error paths and the
+recipe mapping (against a stand-in module) are tested.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from lightning_fp8.recipe import FP8Recipe
+
+_INSTALL_HINT = (
+    "Transformer Engine is not installed; the TE backend needs it: pip install 'lightning-fp8[te]' "
+    "(or transformer-engine[pytorch] matching your CUDA and torch). Without TE, use lightning_fp8's own "
+    "convert_to_fp8 / fp8_autocast."
+)
+
+
+def te_available() -> bool:
+    """True when `transformer_engine.pytorch` can be imported."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:
+        return False
+    return True
+
+
+def _te():
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+
+
+def _te_recipe_module():
+    try:
+        return importlib.import_module("transformer_engine.common.recipe")
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+
+
+def te_recipe(recipe: Optional[FP8Recipe] = None):
+    """TE's recipe object for our FP8Recipe (DelayedScaling or Float8CurrentScaling)."""
+    recipe = recipe if recipe is not None else FP8Recipe()
+    mod = _te_recipe_module()
+    unsupported = []
+    if recipe.rounding != "nearest":
+        unsupported.append("rounding='stochastic'")
+    if not recipe.scale_gradients:
+        unsupported.append("scale_gradients=False")
+    if recipe.power_of_2_scales:
+        unsupported.append("power_of_2_scales=True")
+    if recipe.format == "e5m2":
+        unsupported.append("format='e5m2'")
+    if unsupported:
+        raise ValueError(
+            f"the Transformer Engine backend cannot express {', '.join(unsupported)}; use lightning_fp8's own "
+            "FP8Linear for this recipe"
+        )
+    fmt = mod.Format.HYBRID if recipe.format == "hybrid" else mod.Format.E4M3
+    if recipe.scaling == "delayed":
+        return mod.DelayedScaling(
+            margin=recipe.margin,
+            fp8_format=fmt,
+            amax_history_len=recipe.amax_history_len,
+            amax_compute_algo=recipe.amax_compute_algo,
+        )
+    if not hasattr(mod, "Float8CurrentScaling"):
+        raise RuntimeError(
+            "this Transformer Engine has no Float8CurrentScaling recipe (added in TE 2.2); "
+            "use scaling='delayed' or upgrade TE"
+        )
+    return mod.Float8CurrentScaling(fp8_format=fmt)
+
+
+@contextlib.contextmanager
+def te_autocast(recipe: Optional[FP8Recipe] = None, enabled: bool = True) -> Iterator[None]:
+    """TE's FP8 autocast region with the recipe built from `recipe`."""
+    te = _te()
+    te_r = te_recipe(recipe)
+    if hasattr(te, "autocast") and "recipe" in inspect.signature(te.autocast).parameters:
+        ctx = te.autocast(enabled=enabled, recipe=te_r)
+    elif hasattr(te, "fp8_autocast"):
+        ctx = te.fp8_autocast(enabled=enabled, fp8_recipe=te_r)
+    else:
+        raise RuntimeError("this Transformer Engine has neither te.autocast(recipe=...) nor te.fp8_autocast")
+    with ctx:
+        yield
+
+
+def convert_to_te(
+    model: nn.Module,
+    recipe: Optional[FP8Recipe] = None,
+    module_filter: Optional[Callable[[nn.Module, str], bool]] = None,
+) -> nn.Module:
+    """Replace the model's nn.Linear layers by te.Linear (weights and biases copied), in place; returns the model.
+
+    Layers whose features are not multiples of 16 stay nn.Linear (TE's FP8 GEMMs need them aligned), as do those
+    `module_filter(module, fqn)` rejects. The recipe is checked here so an inexpressible one fails at conversion."""
+    te = _te()
+    te_recipe(recipe)  # fail early on a recipe TE cannot express
+    if isinstance(model, nn.Linear):
+        raise TypeError("convert_to_te needs a container module (a bare nn.Linear has no parent to replace it in)")
+    targets = []
+    for fqn, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            continue
+        if module_filter is not None and not module_filter(module, fqn):
+            continue
+        targets.append((fqn, module))
+    for fqn, module in targets:
+        new = te.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            params_dtype=module.weight.dtype,
+            device=module.weight.device,
+        )
+        with torch.no_grad():
+            new.weight.copy_(module.weight)
+            if module.bias is not None:
+                new.bias.copy_(module.bias)
+        new.train(module.training)
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+    return model
+
+
+__all__ = ["te_available", "te_recipe", "te_autocast", "convert_to_te"]

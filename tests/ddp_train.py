@@ -1,0 +1,32 @@
+"""Run by tests/test_ddp.py: 2-process DDP (gloo, CPU) training under FP8Precision.
+
+Each rank trains on its own shard (DistributedSampler), so activations and gradients, and therefore raw amaxes,
+differ between ranks. Each rank saves its final state; the test checks the ranks agree exactly.
+"""
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from helpers import RegressionModule, regression_data, trainer  # noqa: E402
+
+from lightning_fp8 import FP8Precision  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+
+def main(out_dir: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = RegressionModule()
+    plugin = FP8Precision(loss_scaling="dynamic")
+    t = trainer(plugins=[plugin], strategy="ddp", devices=2, max_epochs=2)
+    t.fit(model, DataLoader(regression_data(256), batch_size=16, shuffle=False))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["loss_scale"] = torch.tensor(plugin.loss_scale)
+    state["raw_amax_rank"] = torch.tensor(model.losses)  # per-rank losses differ: proof the shards differ
+    torch.save(state, f"{out_dir}/rank{t.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
