@@ -1,0 +1,100 @@
+"""Engine pieces without a framework: loss scaler rules, clipping, snapshots, skip semantics."""
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8Recipe, convert_to_fp8
+from lightning_fp8.engine import FP8TrainingEngine, LossScaler, StabilityConfig, resolve_loss_scaling
+from lightning_fp8.engine.clipping import clip_grad_norm_, grad_norm_fp32
+
+
+def test_resolve_auto_loss_scaling():
+    assert resolve_loss_scaling("auto", gradients_scaled=True, compute_dtype=torch.bfloat16) == "none"
+    assert resolve_loss_scaling("auto", gradients_scaled=False, compute_dtype=torch.bfloat16) == "dynamic"
+    assert resolve_loss_scaling("auto", gradients_scaled=True, compute_dtype=torch.float16) == "dynamic"
+    assert resolve_loss_scaling(1024, True, torch.bfloat16) == 1024.0
+    with pytest.raises(ValueError, match="valid choices"):
+        resolve_loss_scaling("always", True, torch.bfloat16)
+
+
+def test_dynamic_scaler_backoff_and_growth():
+    scaler = LossScaler("dynamic", init_scale=256.0, growth_interval=2)
+    scaler.update(overflow=True)
+    assert scaler.scale == 128.0
+    scaler.update(overflow=False)
+    scaler.update(overflow=False)
+    assert scaler.scale == 256.0
+    static = LossScaler(64.0)
+    static.update(overflow=True)
+    assert static.scale == 64.0
+
+
+def test_unscale_and_check_finds_inf_and_divides():
+    scaler = LossScaler("dynamic", init_scale=4.0)
+    grads = [torch.full((3,), 8.0), torch.tensor([1.0, float("inf")])]
+    assert scaler.unscale_and_check(grads).item() == 1.0
+    assert grads[0].tolist() == [2.0, 2.0, 2.0]
+    assert scaler.unscale_and_check([torch.ones(2)]).item() == 0.0
+
+
+def test_clip_norm_in_fp32_for_bf16_grads():
+    grads = [torch.full((4096,), 1.0, dtype=torch.bfloat16)]
+    # bf16 accumulation of 4096 squares would be inexact; the fp32 norm is exactly 64
+    assert grad_norm_fp32(grads).item() == 64.0
+    clip_grad_norm_(grads, 1.0)
+    assert grads[0].float().norm().item() == pytest.approx(1.0, rel=1e-2)  # bf16 storage rounds the result
+    bad = [torch.tensor([float("nan"), 1.0])]
+    norm = clip_grad_norm_(bad, 1.0)
+    assert not torch.isfinite(norm) and bad[0][1].item() == 1.0  # left alone; the engine skips the step
+
+
+def _engine_and_model(**config):
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)))
+    engine = FP8TrainingEngine(FP8Recipe(), StabilityConfig(**config))
+    engine.attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return engine, model, opt
+
+
+def _step(engine, model, opt, poison=False):
+    opt.zero_grad()
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    engine.scale_loss(loss).backward()
+    if poison:
+        model[1].weight.grad[0, 0] = float("nan")
+    return engine.step(opt, opt.step)
+
+
+def test_skipped_step_leaves_params_and_optimizer_state_untouched():
+    engine, model, opt = _engine_and_model()
+    _step(engine, model, opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[1].weight].items()}
+    result = _step(engine, model, opt, poison=True)
+    assert not result.stepped and result.skipped_reason == "non-finite gradients"
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(state[k], v) for k, v in opt.state[model[1].weight].items())
+    assert engine.skipped_steps == 1
+
+
+def test_consecutive_skips_roll_back_and_restore_snapshot():
+    engine, model, opt = _engine_and_model(max_consecutive_skips=2, snapshot_every=2)
+    for _ in range(2):
+        _step(engine, model, opt)
+    snap = [p.detach().clone() for p in model.parameters()]
+    _step(engine, model, opt)  # a good step after the snapshot: lost on rollback
+    _step(engine, model, opt, poison=True)
+    result = _step(engine, model, opt, poison=True)
+    assert result.rolled_back and "consecutive" in result.rollback_reason
+    assert all(torch.equal(a, b) for a, b in zip(snap, model.parameters()))
+    assert engine.rollbacks == 1 and engine.events[-1]["restored_to_step"] == 2
+
+
+def test_engine_state_dict_round_trip():
+    engine, model, opt = _engine_and_model(loss_scaling="dynamic")
+    _step(engine, model, opt, poison=True)
+    other = FP8TrainingEngine(FP8Recipe(), StabilityConfig(loss_scaling="dynamic"))
+    other.load_state_dict(engine.state_dict())
+    assert other.state_dict() == engine.state_dict()
+    assert other.loss_scale == 128.0

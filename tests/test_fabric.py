@@ -1,0 +1,70 @@
+"""lightning_fp8.fabric.FP8Precision: a Fabric loop with backward, clipping, skip on overflow, save/load."""
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from helpers import loader, mlp
+from lightning_fp8 import FP8Linear
+from lightning_fp8.fabric import FP8Precision
+
+
+def _loop(fabric, model, optimizer, steps, inject_inf_at=None, clip=None):
+    losses = []
+    for i, (x, y) in enumerate(loader()):
+        if i == steps:
+            break
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        fabric.backward(loss)
+        if inject_inf_at == i:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if clip is not None:
+            # error_if_nonfinite=False: a non-finite norm is the engine's to handle (the step is skipped)
+            fabric.clip_gradients(model, optimizer, max_norm=clip, error_if_nonfinite=False)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _setup(plugin, seed=0):
+    torch.manual_seed(seed)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer
+
+
+def test_fabric_trains_in_fp8_and_skips_nonfinite_steps():
+    plugin = FP8Precision(loss_scaling="dynamic")
+    fabric, model, optimizer = _setup(plugin)
+    assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 2
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = _loop(fabric, model, optimizer, 6, inject_inf_at=0, clip=1.0)
+    assert plugin.skipped_steps == 1 and plugin.loss_scale == 128.0  # backed off once
+    assert losses[-1] < losses[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with fabric.autocast():
+        out = model(torch.randn(4, 32))
+    assert out.dtype == torch.bfloat16
+
+
+def test_fabric_save_and_load_resumes_identically(tmp_path):
+    plugin = FP8Precision(loss_scaling="dynamic")
+    fabric, model, optimizer = _setup(plugin)
+    _loop(fabric, model, optimizer, 3)
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "fp8": plugin})
+    expected = _loop(fabric, model, optimizer, 4)
+
+    plugin2 = FP8Precision(loss_scaling="dynamic")
+    fabric2, model2, optimizer2 = _setup(plugin2, seed=1)
+    fabric2.load(tmp_path / "ckpt.pt", {"model": model2, "optimizer": optimizer2, "fp8": plugin2})
+    assert plugin2.engine.step_count == 3
+    assert _loop(fabric2, model2, optimizer2, 4) == expected
+
+
+def test_fabric_rejects_fp8_optimizer_state():
+    with pytest.raises(ValueError, match="FP8AdamW"):
+        FP8Precision(optimizer_state="fp8")
