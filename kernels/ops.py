@@ -117,8 +117,9 @@ def fp8_cast(
         raise ValueError("fp8_cast: skip_if is only for amax-only calls (write_row=write_t=False)")
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=x.device)
+    # a cast is not differentiable (FP8Linear's autograd.Function owns the gradients): keep the op off the tape
     out, out_t, amax = torch.ops.lightning_fp8.fp8_cast(
-        x, scale, name, noise, seed, skip_if, write_row, write_t, compute_amax
+        x.detach(), scale.detach(), name, noise, seed, skip_if, write_row, write_t, compute_amax
     )
     return (out if write_row else None, out_t if write_t else None, amax if compute_amax else None)
 

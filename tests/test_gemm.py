@@ -1,0 +1,395 @@
+"""FP8 GEMM backends: emulation, the `_scaled_mm` path (layouts, padding, bias rules), the custom op under
+torch.compile, and the optional Transformer Engine backend's error paths.
+
+Tolerances:
+- emulated GEMM vs a float64 product of the same FP8 values: rtol 1e-5 (float32 accumulation over K <= 512
+  terms; the FP8 products themselves are exact in float32).
+- `_scaled_mm` path vs emulation: float32 output: rtol 1e-6 (summation order only); bf16 output: two bf16 ulps
+  (rtol 2**-7: each side rounds once, and `_scaled_mm` adds the bias already rounded to bf16), plus
+  atol 2**-8 * max|bias| for that bias rounding.
+- FP8Linear compiled vs eager: bit-exact (same ops, same order, aot_eager runs the eager kernels).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8Linear, FP8Recipe
+from lightning_fp8.gemm import FP8EmulationWarning, _scaled_mm_applies, _scaled_mm_gemm, emulated_gemm, fp8_gemm
+
+HAS_CUDA = torch.cuda.is_available()
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8(shape, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 4).to(dtype).to(device)
+
+
+def _ref(a, sa, b, sb, bias=None):
+    out = (a.double() @ b.double()) * (float(sa) * float(sb))
+    return out + bias.double() if bias is not None else out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# emulation and the custom op
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("da,db", [(E4, E4), (E5, E4), (E4, E5), (E5, E5)])
+def test_emulated_gemm_matches_float64(da, db):
+    a, b = _fp8((24, 512), da, 0), _fp8((512, 40), db, 1)
+    sa, sb = torch.tensor(0.125), torch.tensor(3.0)
+    bias = torch.randn(40)
+    out = emulated_gemm(a, sa, b, sb, torch.float32, bias)
+    torch.testing.assert_close(out.double(), _ref(a, sa, b, sb, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_gemm_any_layout_and_dtypes():
+    a, b = _fp8((48, 32), E4, 2), _fp8((16, 32), E4, 3).t()  # b column-major
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, backend="emulated")
+        assert out.dtype == out_dtype and out.shape == (48, 16)
+    at = a.t().contiguous().t()  # same values, column-major
+    assert torch.equal(fp8_gemm(at, sa, b, sb, torch.float32, backend="emulated"),
+                       fp8_gemm(a, sa, b, sb, torch.float32, backend="emulated"))
+
+
+def test_fp8_gemm_is_a_custom_op_with_fake_impl():
+    a, b = _fp8((32, 48), E4, 4), _fp8((48, 16), E4, 5)
+    args = (a, torch.tensor(1.0), b, torch.tensor(0.5), torch.bfloat16, torch.randn(16), False, "emulated")
+    # ("test_schema" is left out: it runs arithmetic on the inputs that CPU float8 tensors do not implement)
+    torch.library.opcheck(torch.ops.lightning_fp8.fp8_gemm.default, args, test_utils=("test_faketensor",))
+
+
+def test_fp8_gemm_bias_gradient():
+    a, b = _fp8((8, 32), E4, 6), _fp8((32, 16), E4, 7)
+    bias = torch.randn(16, requires_grad=True)
+    out = fp8_gemm(a, torch.tensor(1.0), b, torch.tensor(1.0), torch.float32, bias=bias, backend="emulated")
+    (out * torch.arange(16.0)).sum().backward()
+    torch.testing.assert_close(bias.grad, torch.arange(16.0) * 8)
+
+
+def test_fp8_gemm_traces_without_graph_breaks():
+    def f(a, b, sa, sb):
+        return fp8_gemm(a, sa, b.t(), sb, torch.float32, backend="auto").relu().sum()
+
+    a, b, sa, sb = _fp8((32, 64), E4, 8), _fp8((16, 64), E4, 9), torch.tensor(0.5), torch.tensor(0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FP8EmulationWarning)
+        explained = torch._dynamo.explain(f)(a, b, sa, sb)
+        assert explained.graph_break_count == 0
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(a, b, sa, sb), f(a, b, sa, sb))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the _scaled_mm path's layout / padding / bias logic, run through CPU _scaled_mm (slow there: small shapes only)
+# ------------------------------------------------------------------------------------------------------------------
+def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias):
+    out = _scaled_mm_gemm(a, sa, b, sb, out_dtype, bias, False)
+    ref = emulated_gemm(a, sa, b, sb, out_dtype, bias)
+    assert out.dtype == out_dtype and out.shape == ref.shape and out.is_contiguous()
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        # each side rounds once to bf16 (<= 1 ulp apart, rtol 2**-8), and _scaled_mm adds a bias already rounded
+        # to bf16, which can push the result across one more rounding boundary: 2 ulps
+        atol = 2**-8 * (bias.abs().max().item() if bias is not None else 0.0) + 1e-3
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=atol)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="torch without _scaled_mm")
+@pytest.mark.parametrize("m,k,n", [(32, 48, 16), (5, 20, 24), (17, 33, 7), (1, 16, 16)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_path_pads_and_fixes_layouts(m, k, n, out_dtype, with_bias):
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("no _scaled_mm")
+    a = _fp8((m, k), E4, m + k)
+    b = _fp8((n, k), E5 if m % 2 else E4, n).t()  # column-major as FP8Linear passes W^T
+    bias = torch.randn(n) if with_bias else None
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    try:
+        _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias)
+    except (RuntimeError, NotImplementedError) as err:  # a CPU build without FP8 matmul support
+        pytest.skip(f"CPU _scaled_mm unavailable: {err}")
+    # a row-major b and a transposed a: copied into the layouts _scaled_mm needs
+    _check_scaled_mm_path(a.t().contiguous().t(), b.contiguous(), sa, sb, out_dtype, bias)
+
+
+def test_e5m2_times_e5m2_is_emulated():
+    a, b = _fp8((16, 16), E5, 1), _fp8((16, 16), E5, 2)
+    with pytest.warns(FP8EmulationWarning, match="two e5m2"):
+        import lightning_fp8.gemm as gemm
+
+        gemm._warned_e5m2 = False
+        assert not _scaled_mm_applies(a, b)
+    assert _scaled_mm_applies(a, b.to(torch.float32).to(E4)) is True
+
+
+def test_scaled_mm_backend_requires_capable_gpu():
+    with pytest.raises(RuntimeError, match="compute capability"):
+        fp8_gemm(_fp8((16, 16), E4, 1), torch.tensor(1.0), _fp8((16, 16), E4, 2), torch.tensor(1.0),
+                 torch.float32, backend="scaled_mm")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# torch.compile of FP8Linear
+# ------------------------------------------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(FP8Linear(64, 64), nn.GELU(), FP8Linear(64, 32))
+
+
+def _train(model, steps=3, compile_=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fwd = torch.compile(model, backend="aot_eager") if compile_ else model
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 64, generator=g, requires_grad=True)
+        loss = fwd(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), x.grad
+
+
+def test_compiled_fp8linear_matches_eager():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FP8EmulationWarning)
+        eager_model, compiled_model = _model(), _model()
+        compiled_model.load_state_dict(eager_model.state_dict())
+        l_e, g_e = _train(eager_model)
+        l_c, g_c = _train(compiled_model, compile_=True)
+    assert torch.equal(l_e, l_c) and torch.equal(g_e, g_c)
+    sd_c = compiled_model.state_dict()
+    for k, v in eager_model.state_dict().items():
+        assert torch.equal(v, sd_c[k]), k
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="FP8Linear's autograd.Function mutates ScalingState buffers and Python flags inside forward/backward "
+    "(a side effect dynamo cannot keep inside the autograd HOP): needs the linear.py restructuring described in "
+    "docs/benchmarks.md ('torch.compile')",
+)
+def test_fp8linear_compiles_without_graph_breaks():
+    model = _model()
+    x = torch.randn(8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FP8EmulationWarning)
+        model(x).sum().backward()
+        explained = torch._dynamo.explain(lambda t: model(t).square().mean())(x)
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+class _GradCastFn(torch.autograd.Function):
+    """The structure proposed for FP8Linear (see docs/benchmarks.md): casts of x and W happen outside the Function
+    (state updates in the main graph), only tensors and constants go into `apply`, and the backward's grad-output
+    bookkeeping mutates tensors passed in, in place. Dynamo keeps all of it in one graph."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow, fmt_max):
+        ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow)
+        ctx.fmt_max = fmt_max
+        return fp8_gemm(x_fp8, x_scale.reciprocal(), w_fp8.t(), w_scale.reciprocal(), torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from lightning_fp8.kernels import fp8_amax, fp8_cast
+        from lightning_fp8.numerics import scale_from_amax
+
+        x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow = ctx.saved_tensors
+        amax = fp8_amax(grad)
+        finite = torch.isfinite(amax)
+        g_overflow.add_((~finite).to(torch.int64))
+        g_history[:1].copy_(torch.where(finite, torch.maximum(g_history[0], amax), g_history[0]).reshape(1))
+        scale = scale_from_amax(amax, 57344.0, 0, torch.ones_like(amax))
+        g_fp8, g_fp8_t, _ = fp8_cast(grad, scale, "e5m2", write_t=True, compute_amax=False)
+        inv = scale.reciprocal()
+        grad_x = fp8_gemm(g_fp8, inv, w_fp8, w_scale.reciprocal(), torch.float32)
+        grad_w = fp8_gemm(g_fp8_t, inv, x_fp8, x_scale.reciprocal(), torch.float32)
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+class _CompileCleanLinear(nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.register_buffer("g_history", torch.zeros(4))
+        self.register_buffer("g_overflow", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("x_history", torch.zeros(4))
+
+    def forward(self, x):
+        from lightning_fp8.kernels import fp8_amax, fp8_cast
+        from lightning_fp8.numerics import scale_from_amax
+
+        x_amax, w_amax = fp8_amax(x), fp8_amax(self.weight)
+        self.x_history[:1].copy_(torch.maximum(self.x_history[:1], x_amax))
+        one = torch.ones((), device=x.device)
+        xs, ws = scale_from_amax(x_amax, 448.0, 0, one), scale_from_amax(w_amax, 448.0, 0, one)
+        x_fp8 = fp8_cast(x, xs, "e4m3", compute_amax=False)[0]
+        w_fp8 = fp8_cast(self.weight, ws, "e4m3", compute_amax=False)[0]
+        return _GradCastFn.apply(x, self.weight, x_fp8, xs, w_fp8, ws, self.g_history, self.g_overflow, 57344.0)
+
+
+def test_proposed_structure_compiles_fullgraph_and_matches_eager():
+    torch.manual_seed(0)
+    eager = nn.Sequential(_CompileCleanLinear(64, 64), nn.GELU(), _CompileCleanLinear(64, 32))
+    comp = copy.deepcopy(eager)
+    x = torch.randn(8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FP8EmulationWarning)
+        explained = torch._dynamo.explain(lambda t: comp(t).square().mean())(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        torch._dynamo.reset()
+        comp = copy.deepcopy(eager)
+        compiled = torch.compile(comp, backend="aot_eager", fullgraph=True)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(xe).square().mean().backward()
+        compiled(xc).square().mean().backward()
+    assert torch.equal(xe.grad, xc.grad) and torch.equal(eager[0].weight.grad, comp[0].weight.grad)
+    for k, v in eager.state_dict().items():  # the in-place buffer updates happened in both
+        assert torch.equal(v, comp.state_dict()[k]), k
+    assert eager[0].g_history[0] > 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Transformer Engine backend (TE is not installed here: error paths, and the recipe mapping on a stand-in)
+# ------------------------------------------------------------------------------------------------------------------
+def test_te_backend_clear_error_without_te():
+    from lightning_fp8 import te_backend
+
+    if te_backend.te_available():
+        pytest.skip("Transformer Engine is installed")
+    for call in (
+        lambda: te_backend.convert_to_te(nn.Sequential(nn.Linear(16, 16))),
+        lambda: te_backend.te_recipe(FP8Recipe()),
+        lambda: te_backend.te_autocast(FP8Recipe()).__enter__(),
+    ):
+        with pytest.raises(ImportError, match="Transformer Engine is not installed.*pip install"):
+            call()
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """A stand-in for TE's public API surface that te_backend uses (names as in TE 2.x's docs)."""
+    import enum
+    from dataclasses import dataclass
+
+    class Format(enum.Enum):
+        E4M3 = "e4m3"
+        E5M2 = "e5m2"
+        HYBRID = "hybrid"
+
+    @dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        amax_compute_algo: str = "max"
+
+    @dataclass
+    class Float8CurrentScaling:
+        fp8_format: Format = Format.HYBRID
+
+    entered = []
+
+    class _Ctx:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def __enter__(self):
+            entered.append(self.kw)
+
+        def __exit__(self, *exc):
+            return False
+
+    def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None):
+        return _Ctx(enabled=enabled, recipe=recipe)
+
+    te_pkg, te_pt, te_common, te_recipe = (types.ModuleType(n) for n in (
+        "transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
+        "transformer_engine.common.recipe"))
+    te_recipe.Format, te_recipe.DelayedScaling, te_recipe.Float8CurrentScaling = Format, DelayedScaling, Float8CurrentScaling
+    te_pt.autocast = autocast
+    te_pt.Linear = lambda i, o, bias=True, params_dtype=None, device=None: nn.Linear(i, o, bias=bias, dtype=params_dtype, device=device)
+    for name, mod in (("transformer_engine", te_pkg), ("transformer_engine.pytorch", te_pt),
+                      ("transformer_engine.common", te_common), ("transformer_engine.common.recipe", te_recipe)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return types.SimpleNamespace(Format=Format, entered=entered)
+
+
+def test_te_recipe_mapping_and_autocast(fake_te):
+    from lightning_fp8 import te_backend
+
+    r = te_backend.te_recipe(FP8Recipe(margin=1, amax_history_len=8, amax_compute_algo="most_recent"))
+    assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
+    cur = te_backend.te_recipe(FP8Recipe(scaling="current", format="e4m3"))
+    assert type(cur).__name__ == "Float8CurrentScaling" and cur.fp8_format == fake_te.Format.E4M3
+    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(power_of_2_scales=True)):
+        with pytest.raises(ValueError, match="cannot express"):
+            te_backend.te_recipe(bad)
+    with te_backend.te_autocast(FP8Recipe()):
+        pass
+    assert fake_te.entered and fake_te.entered[0]["enabled"] is True
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    w = model[0].weight.detach().clone()
+    te_backend.convert_to_te(model)
+    assert torch.equal(model[0].weight, w) and model[2].out_features == 10  # 10 is not 16-aligned: left alone
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CUDA (unverified until a GPU session runs `pytest -m cuda`)
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,k,n", [(16, 16, 16), (128, 4096, 1024), (4096, 1024, 4096), (77, 1000, 24), (1, 64, 48)])
+@pytest.mark.parametrize("da,db", [(E4, E4), (E5, E4), (E4, E5)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_cuda_scaled_mm_vs_emulation(m, k, n, da, db, out_dtype, with_bias, fast_accum):
+    from lightning_fp8.gemm import scaled_mm_supported
+
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("GPU without FP8 tensor cores")
+    a = _fp8((m, k), da, 1, "cuda")
+    b = _fp8((n, k), db, 2, "cuda").t()
+    sa, sb = torch.tensor(2.0**-3, device="cuda"), torch.tensor(0.75, device="cuda")
+    bias = torch.randn(n, device="cuda") if with_bias else None
+    out = fp8_gemm(a, sa, b, sb, out_dtype, bias=bias, use_fast_accum=fast_accum, backend="scaled_mm")
+    ref = emulated_gemm(a, sa, b, sb, torch.float32, bias)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    # bf16-level tolerance: one output rounding, bf16 bias, accumulation order (fast accum: looser)
+    scale = ref.abs().max().item() + 1e-6
+    tol = (2**-7 if out_dtype != torch.float32 else 1e-5) + (2**-6 if fast_accum else 0.0)
+    assert (out.float() - ref).abs().max().item() <= tol * scale
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_fp8linear_close_to_bf16():
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 2048).cuda()
+    fp8 = FP8Linear.from_linear(copy.deepcopy(lin), FP8Recipe())
+    x = torch.randn(8, 256, 1024, device="cuda", requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ref = lin(x)
+        y = fp8(x2)
+    y_ref.float().square().mean().backward()
+    y.float().square().mean().backward()
+
+    def sqnr(a, b):
+        return 10 * torch.log10(b.float().square().mean() / (a.float() - b.float()).square().mean()).item()
+
+    assert sqnr(y, y_ref) > 25 and sqnr(x2.grad, x.grad) > 20 and sqnr(fp8.weight.grad, lin.weight.grad) > 20
