@@ -53,13 +53,17 @@ def test_output_dtype_follows_autocast_and_grads_follow_inputs():
 
 
 def _saved_bytes(layer, x):
-    """Bytes of tensors saved for backward that are new allocations (Parameters excluded)."""
-    params = {id(p) for p in layer.parameters()}
+    """Bytes of tensors saved for backward that are new allocations: a saved Parameter, or a view of one (nn.Linear
+    saves weight.t()), shares the Parameter's storage and is not counted; each new storage is counted once."""
+    param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen = set()
     total = 0
 
     def pack(t):
         nonlocal total
-        if id(t) not in params and not isinstance(t, nn.Parameter):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_storages and ptr not in seen:
+            seen.add(ptr)
             total += t.untyped_storage().nbytes()
         return t
 
@@ -70,7 +74,9 @@ def _saved_bytes(layer, x):
 
 
 def test_saves_input_in_fp8_for_backward():
-    """Counting only new allocations, FP8Linear holds <= 0.55x what a BF16 nn.Linear holds for backward."""
+    """Counting only new allocations, FP8Linear holds <= 0.55x what a BF16 nn.Linear holds for backward.
+    Measured: 0.17x against nn.Linear under autocast (which saves bf16 copies of x and of the weight), 0.50x against
+    an nn.Linear with bf16 parameters (which saves x in bf16 only)."""
     k, n = 1024, 4096
     x = torch.randn(8, 256, k, requires_grad=True)
     bf16 = _saved_bytes(nn.Linear(k, n), x)

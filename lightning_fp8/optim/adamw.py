@@ -11,6 +11,7 @@ far below the format's spacing still move the weights on average (rounding.py).
 """
 from __future__ import annotations
 
+import importlib.util
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -22,6 +23,7 @@ from lightning_fp8.optim.rounding import noise_seed, seeded_generator
 from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
 
 MASTER_WEIGHTS = ("fp32", "bf16", "fp16")
+BACKENDS = ("torch", "triton")
 _MASTER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: param-group keys that describe how FP8AdamW stores state (beyond AdamW's hyperparameters)
@@ -49,6 +51,8 @@ class FP8AdamW(Optimizer):
             does; `to_fp8_optimizer` sets it when converting an Adam, so Adam's L2 penalty is emulated exactly.
         seed: base seed of the stochastic rounding noise. The noise of step t of parameter i is a function of
             (seed, t, i), so a checkpoint resumes bit-identically without saving generator state.
+        backend: "torch" (default: the plain-torch reference, any device) or "triton" (opt-in fused kernel for
+            CUDA float32 parameters with an fp16/fp8 second moment; other parameters use the reference).
 
     Non-finite gradients are not checked (no host sync per step): the training engine does not call `step()`
     on a step whose gradients are not finite. See reference.py.
@@ -70,7 +74,15 @@ class FP8AdamW(Optimizer):
         min_numel_fp8: int = 4096,
         decoupled_weight_decay: bool = True,
         seed: int = 0,
+        backend: str = "torch",
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not valid; valid choices: {list(BACKENDS)}")
+        if backend == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("backend='triton' needs the triton package; use backend='torch'")
+        #: "torch" (the reference, default) or "triton" (fused CUDA kernel where it applies; UNVERIFIED on a GPU
+        #: unless tests/test_optim.py -m cuda has run). Not part of the state dict: a choice of this process.
+        self.backend = backend
         if amsgrad:
             raise ValueError("FP8AdamW does not support amsgrad=True; use amsgrad=False or torch.optim.AdamW")
         defaults = dict(
@@ -121,7 +133,12 @@ class FP8AdamW(Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state.update(init_state(p, group))
-                adamw_step_(p, p.grad, state, group, self._generator(p, group, state, index))
+                if self.backend == "triton" and _triton_supports(p, state, group):
+                    from lightning_fp8.optim.triton_adamw import adamw_step_triton_
+
+                    adamw_step_triton_(p, p.grad, state, group)
+                else:
+                    adamw_step_(p, p.grad, state, group, self._generator(p, group, state, index))
         return loss
 
     @staticmethod
@@ -174,6 +191,14 @@ class FP8AdamW(Optimizer):
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", True)
             group.setdefault("maximize", False)
+
+
+def _triton_supports(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
+    if not p.is_cuda:
+        return False
+    from lightning_fp8.optim.triton_adamw import supports
+
+    return supports(p, state, group)
 
 
 def _validate_group(group: Dict[str, Any]) -> None:

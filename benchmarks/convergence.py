@@ -1,0 +1,77 @@
+"""Convergence benchmark (issue 3): char-GPT on the embedded corpus, FP8Precision vs precision="bf16-mixed".
+
+Same model, seed, data order and fixed validation set for both; LR warms up then decays to zero (DESIGN.md:
+constant-LR comparisons of short runs are noise). Several seeds, so the gap is reported next to the seed spread.
+
+    python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import warnings
+
+import torch
+
+from lightning_fp8.demo.data import load_corpus
+from lightning_fp8.demo.run import build_parser, train_once
+
+
+def main() -> None:
+    parser = build_parser(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", default="benchmarks/results/convergence")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    corpus = load_corpus(args.data)
+    rows = []
+    for seed in args.seeds:
+        args.seed = seed
+        bf16 = train_once("bf16", corpus, args, fp8=False)
+        fp8 = train_once("fp8", corpus, args, fp8=True)
+        gap = (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss
+        rows.append({
+            "seed": seed,
+            "bf16_val_loss": bf16.final_val_loss,
+            "fp8_val_loss": fp8.final_val_loss,
+            "relative_gap": gap,
+            "fp8_skipped_steps": fp8.plugin.skipped_steps,
+            "fp8_rollbacks": fp8.plugin.rollbacks,
+            "bf16_seconds": bf16.seconds,
+            "fp8_seconds": fp8.seconds,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    gaps = [r["relative_gap"] for r in rows]
+    bf16_losses = [r["bf16_val_loss"] for r in rows]
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs emulated)",
+        "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")},
+        "runs": rows,
+        "mean_relative_gap": statistics.mean(gaps),
+        "sd_relative_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+        "bf16_seed_spread_relative_sd": (statistics.stdev(bf16_losses) / statistics.mean(bf16_losses)) if len(rows) > 1 else 0.0,
+    }
+    with open(args.out + ".json", "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# Convergence: FP8Precision vs bf16-mixed ({summary['date']}, torch {summary['torch']}, {summary['machine']})\n\n")
+        f.write(f"config: {summary['config']}\n\n")
+        f.write("| seed | bf16 val loss | fp8 val loss | relative gap | fp8 skips | fp8 rollbacks |\n|---|---|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {r['fp8_val_loss']:.4f} | {r['relative_gap']:+.2%} | {r['fp8_skipped_steps']} | {r['fp8_rollbacks']} |\n")
+        f.write(f"\nmean gap {summary['mean_relative_gap']:+.2%} (sd {summary['sd_relative_gap']:.2%} over seeds); "
+                f"bf16 seed-to-seed spread (relative sd of val loss) {summary['bf16_seed_spread_relative_sd']:.2%}\n")
+    print(open(args.out + ".md").read())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

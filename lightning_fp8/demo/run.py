@@ -1,0 +1,124 @@
+"""`lightning-fp8 demo`: train the same char-GPT twice, FP8 and BF16, same seed and data, and compare."""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_fp8.convert import precision_map
+from lightning_fp8.demo.data import CharCorpus, batches, fixed_val_batches, load_corpus
+from lightning_fp8.demo.gpt import GPTConfig
+from lightning_fp8.demo.module import CharGPTModule
+from lightning_fp8.gemm import FP8EmulationWarning
+
+
+class _Batches(IterableDataset):
+    def __init__(self, ids, batch_size, context, steps, seed):
+        self.args = (ids, batch_size, context, steps, seed)
+
+    def __iter__(self):
+        return batches(*self.args)
+
+
+@dataclass
+class RunResult:
+    name: str
+    final_train_loss: float  # mean of the last 20 training losses
+    final_val_loss: float
+    seconds: float
+    module: CharGPTModule
+    plugin: Optional[object] = None
+
+
+def train_once(name: str, corpus: CharCorpus, args: argparse.Namespace, fp8: bool) -> RunResult:
+    from lightning_fp8 import FP8Precision
+
+    L.seed_everything(args.seed, verbose=False)
+    cfg = GPTConfig(vocab_size=corpus.vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    module = CharGPTModule(cfg, lr=args.lr, max_steps=args.steps)
+    plugin = FP8Precision(preset=args.preset) if fp8 else None
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=1,
+        max_steps=args.steps,
+        precision=None if fp8 else "bf16-mixed",
+        plugins=[plugin] if fp8 else None,
+        val_check_interval=args.steps,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=args.progress,
+        num_sanity_val_steps=0,
+    )
+    train = DataLoader(_Batches(corpus.train, args.batch_size, args.context, args.steps, args.seed), batch_size=None)
+    val = fixed_val_batches(corpus.val, args.batch_size, args.context, args.val_batches)
+    start = time.perf_counter()
+    trainer.fit(module, train, DataLoader(val, batch_size=None))
+    seconds = time.perf_counter() - start
+    tail = module.train_losses[-20:]
+    return RunResult(name, sum(tail) / len(tail), module.val_losses[-1], seconds, module, plugin)
+
+
+def format_table(fp8: RunResult, bf16: RunResult, steps: int) -> str:
+    gap = (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss
+    lines = [
+        f"{'run':<6} {'steps':>6} {'train loss':>11} {'val loss':>9} {'time':>8}",
+        f"{'bf16':<6} {steps:>6} {bf16.final_train_loss:>11.4f} {bf16.final_val_loss:>9.4f} {bf16.seconds:>7.1f}s",
+        f"{'fp8':<6} {steps:>6} {fp8.final_train_loss:>11.4f} {fp8.final_val_loss:>9.4f} {fp8.seconds:>7.1f}s",
+        f"relative val-loss gap (fp8 - bf16) / bf16: {gap:+.2%}",
+    ]
+    if fp8.plugin is not None:
+        lines.append(f"fp8 stability: {fp8.plugin.skipped_steps} skipped steps, {fp8.plugin.rollbacks} rollbacks")
+    lines.append("")
+    lines.append("layer precision (FP8 run):")
+    width = max(len(row.fqn) for row in precision_map(fp8.module))
+    for row in precision_map(fp8.module):
+        lines.append(f"  {row.fqn:<{width}}  {row.precision:<4}  {row.reason}")
+    return "\n".join(lines)
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="lightning-fp8 demo", description=__doc__)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=128, help="model width (multiple of 16)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="default", help="FP8 preset: default, conservative, mellempudi")
+    parser.add_argument("--data", default=None, help="a text file to train on (default: the CPython stdlib text)")
+    parser.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    warnings.filterwarnings("ignore", category=FP8EmulationWarning)
+    warnings.filterwarnings("ignore", module="lightning")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    corpus = load_corpus(args.data)
+    print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size}"
+          f" ({args.data or 'CPython standard library'})")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from lightning_fp8.gemm import scaled_mm_supported
+
+    if not scaled_mm_supported(torch.device(device)):
+        print(f"note: no FP8 tensor cores on {device}; FP8 GEMMs are emulated (real FP8 casts, float32 products)")
+    bf16 = train_once("bf16", corpus, args, fp8=False)
+    fp8 = train_once("fp8", corpus, args, fp8=True)
+    print()
+    print(format_table(fp8, bf16, args.steps))
+    return 0

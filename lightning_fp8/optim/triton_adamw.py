@@ -1,0 +1,122 @@
+"""Fused Triton kernel for the FP8AdamW step of one parameter (CUDA, opt-in: FP8AdamW(..., backend="triton")).
+
+One program per quantization block: it reads the parameter, the gradient and the block's stored moments once,
+does the AdamW math in float32 (the same formula and order as reference.py), writes the parameter, and
+re-quantizes the moments with the block's new amax, which it has in registers, so the scale costs no extra pass.
+The torch reference (reference.py) is the definition; this kernel must match it up to float32 rounding of the
+fused multiply-adds (which can move a stored FP8 code by one step now and then).
+
+Covered: float32 parameters (master_weights="fp32"), exp_avg_sq_dtype "fp16" or "fp8", block_size a power of two
+<= 8192, contiguous tensors. Everything else (bf16 second moment and low-precision master weights, which need
+stochastic rounding from the seeded torch generator; CPU tensors) falls back to the torch reference per
+parameter, so the two backends produce the same results wherever they both apply.
+
+Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA.
+Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_fp8.numerics.formats import E4M3
+from lightning_fp8.optim.blockwise import FP16_STORAGE
+
+
+@triton.jit
+def _fp8_adamw_block_kernel(
+    p_ptr, g_ptr, m_ptr, m_sinv_ptr, v_ptr, v_sinv_ptr,
+    numel,
+    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, V_FP8: tl.constexpr,
+    M_MAX: tl.constexpr, V_MAX: tl.constexpr, BLOCK: tl.constexpr, FLT_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(m_sinv_ptr + pid)
+    if V_FP8:
+        root = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
+        v = root * root
+    else:
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
+
+    if HAS_WD:
+        if DECOUPLED:
+            p = p * (1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    m = m + (1.0 - beta1) * (g - m)  # torch's lerp(m, g, w) for w < 0.5
+    v = v * beta2 + (1.0 - beta2) * g * g
+    denom = tl.math.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.math.div_rn(m, denom)
+    tl.store(p_ptr + offs, p, mask=mask)
+
+    # re-quantize the moments: scale = max / amax (1 for an all-zero or non-finite block), saturate, cast
+    m_amax = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
+    m_ok = (m_amax > 0) & (m_amax < float("inf"))
+    m_scale = tl.where(m_ok, tl.minimum(tl.math.div_rn(M_MAX, tl.where(m_ok, m_amax, 1.0)), FLT_MAX), 1.0)
+    m_q = tl.minimum(tl.maximum(m * m_scale, -M_MAX), M_MAX)
+    tl.store(m_ptr + offs, m_q.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_sinv_ptr + pid, tl.math.div_rn(1.0, m_scale))
+    if V_FP8:
+        vs = tl.sqrt_rn(v)
+    else:
+        vs = v
+    v_amax = tl.max(tl.where(mask, tl.abs(vs), 0.0), axis=0)
+    v_ok = (v_amax > 0) & (v_amax < float("inf"))
+    v_scale = tl.where(v_ok, tl.minimum(tl.math.div_rn(V_MAX, tl.where(v_ok, v_amax, 1.0)), FLT_MAX), 1.0)
+    v_q = tl.minimum(tl.maximum(vs * v_scale, -V_MAX), V_MAX)
+    tl.store(v_ptr + offs, v_q.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_sinv_ptr + pid, tl.math.div_rn(1.0, v_scale))
+
+
+def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
+    """Whether the fused kernel covers this parameter (else the torch reference runs)."""
+    bs = group["block_size"]
+    return (
+        param.is_cuda
+        and param.dtype == torch.float32
+        and param.is_contiguous()
+        and param.grad is not None
+        and param.grad.is_contiguous()
+        and group["master_weights"] == "fp32"
+        and group["exp_avg_sq_dtype"] in ("fp16", "fp8")
+        and "exp_avg_scale_inv" in state
+        and bs & (bs - 1) == 0
+        and bs <= 8192
+    )
+
+
+@torch.no_grad()
+def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    state["step"] += 1
+    step = float(state["step"])  # CPU tensor: no device sync
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    wd = float(group["weight_decay"])
+    v_fp8 = group["exp_avg_sq_dtype"] == "fp8"
+    numel = param.numel()
+    bs = group["block_size"]
+    grid = (triton.cdiv(numel, bs),)
+    _fp8_adamw_block_kernel[grid](
+        param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"], state["exp_avg_sq_scale_inv"],
+        numel,
+        lr, beta1, beta2, float(group["eps"]), wd, lr / bias_correction1, bias_correction2**0.5,
+        DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
+        V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
+        FLT_MAX=torch.finfo(torch.float32).max,
+    )
+
+
+__all__ = ["supports", "adamw_step_triton_"]
