@@ -77,7 +77,7 @@ def convert_to_fp8(
         if isinstance(module, FP8Linear):
             continue
         if module_filter is not None:
-            decisions[fqn] = None if module_filter(module, fqn) else "excluded by module_filter"
+            decisions[fqn] = None if module_filter(module, fqn) else _filter_reason(module_filter, module, fqn)
         else:
             decisions[fqn] = default_skip_reason(module, fqn, recipe, fqn == first_fqn, fqn == last_fqn)
     if "" in decisions:  # the model itself is a linear
@@ -92,6 +92,13 @@ def convert_to_fp8(
         else:
             setattr(module, SKIP_REASON_ATTR, reason)
     return model
+
+
+def _filter_reason(module_filter: ModuleFilter, module: nn.Module, fqn: str) -> str:
+    """A filter object may explain itself through `skip_reason(module, fqn)` (e.g. the shape-aware auto filter)."""
+    explain = getattr(module_filter, "skip_reason", None)
+    reason = explain(module, fqn) if callable(explain) else None
+    return reason or "excluded by module_filter"
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:

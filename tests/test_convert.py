@@ -116,3 +116,16 @@ def test_converted_model_trains_like_fp32():
     (_, ref_loss), (fp8_start, fp8_loss) = _fit(ref), _fit(fp8)
     assert fp8_loss < 0.25 * fp8_start
     assert fp8_loss <= 1.5 * ref_loss
+
+
+def test_filter_object_explains_its_skips():
+    class OnlyWide:
+        def __call__(self, module, fqn):
+            return self.skip_reason(module, fqn) is None
+
+        def skip_reason(self, module, fqn):
+            return None if module.out_features >= 256 else f"{module.out_features} outputs: too narrow to win in FP8"
+
+    rows = _reasons(convert_to_fp8(_model(), module_filter=OnlyWide()))
+    assert rows["1.fc1"] == ("fp8", "converted")
+    assert rows["1.fc2"] == ("bf16", "64 outputs: too narrow to win in FP8")

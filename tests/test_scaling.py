@@ -17,6 +17,9 @@ def test_scale_from_amax_rules():
         assert scale_from_amax(torch.tensor(bad), 448.0, 0, prev).item() == 3.0
     assert scale_from_amax(torch.tensor(3.0), 448.0, 0, prev, power_of_2=True).item() == 128.0  # 149.3 -> 2^7
     assert math.isfinite(scale_from_amax(torch.tensor(1e-45), 448.0, 0, prev).item())
+    # just below a power of two: log2 would round up to 2^8 and the amax itself would then clip (448/1.75000006)
+    near = scale_from_amax(torch.tensor(1.7500001), 448.0, 0, prev, power_of_2=True)
+    assert near.item() == 128.0 and 1.7500001 * near.item() <= 448.0
 
 
 def _step(state, amax, fmt=E4M3, algo="max", margin=0):

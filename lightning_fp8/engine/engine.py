@@ -241,7 +241,10 @@ class FP8TrainingEngine:
 
     def _overflow_counts(self) -> torch.Tensor:
         counts = [getattr(layer.fp8_meta, role).overflow_count for layer in self.layers.values() for role in ROLES]
-        return torch.stack([c.to("cpu") for c in counts]) if counts else torch.zeros(0, dtype=torch.int64)
+        if not counts:
+            return torch.zeros(0, dtype=torch.int64)
+        device = counts[0].device
+        return torch.stack([c.to(device) for c in counts]).cpu()  # one device-to-host transfer
 
     def _new_overflows(self) -> List[str]:
         counts = self._overflow_counts()
@@ -277,8 +280,10 @@ class FP8TrainingEngine:
         params = [p for p in self.model.parameters()]
         if not params:
             return True
+        device = params[0].device
         norms = torch._foreach_norm(params)
-        flag = torch.tensor([0.0 if bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all()) else 1.0])
+        all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
+        flag = (~all_finite).float().reshape(1).cpu()  # one device-to-host transfer
         all_reduce_max_([flag])
         return flag.item() == 0.0
 

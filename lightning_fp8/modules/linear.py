@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_fp8.autocast import current_state
 from lightning_fp8.gemm import fp8_gemm
-from lightning_fp8.modules.cast import scaled_cast
-from lightning_fp8.numerics.quantize import quantize, tensor_amax
+from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast, scaled_cast_transpose
+from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.scaling import ScalingState
 from lightning_fp8.recipe import ROLES, FP8Recipe
 
@@ -55,7 +55,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         out_dtype = _output_dtype(x)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
-        x_fp8, x_scale = scaled_cast(x2d, meta.input, recipe, "input", record)
+        # one read of x gives both layouts: row-major for this GEMM, transposed for the wgrad GEMM in backward
+        x_fp8, x_fp8_t, x_scale = scaled_cast_transpose(x2d, meta.input, recipe, "input", record)
         w_fp8, w_scale = scaled_cast(weight, meta.weight, recipe, "weight", record)
         with torch.autocast(x.device.type, enabled=False):
             out = fp8_gemm(
@@ -68,8 +69,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 use_fast_accum=recipe.fast_accum_forward,
                 backend=recipe.backend,
             )
-        # x in FP8 (1 byte/element) + two scalars; `weight` is the Parameter itself, not a copy
-        ctx.save_for_backward(x_fp8, x_scale, weight, w_scale)
+        # x in FP8 (1 byte/element, in the layout wgrad wants) + two scalars; `weight` is the Parameter, not a copy
+        ctx.save_for_backward(x_fp8_t, x_scale, weight, w_scale)
         ctx.meta = meta
         ctx.recipe = recipe
         ctx.record = record
@@ -81,23 +82,24 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_fp8, x_scale, weight, w_scale = ctx.saved_tensors
+        x_fp8_t, x_scale, weight, w_scale = ctx.saved_tensors
         recipe: FP8Recipe = ctx.recipe
         out_features = weight.shape[0]
         g2d = grad_out.reshape(-1, out_features)
         if ctx.observer is not None:
             ctx.observer("grad_output", g2d)
-        g_fp8, g_scale = scaled_cast(g2d, ctx.meta.grad_output, recipe, "grad_output", ctx.record)
+        g_fp8, g_fp8_t, g_scale = scaled_cast_transpose(g2d, ctx.meta.grad_output, recipe, "grad_output", ctx.record)
         g_scale_inv = g_scale.reciprocal()
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                # same scale as the forward's weight cast: dgrad sees the weight the forward saw
-                w_fp8 = quantize(weight, w_scale, recipe.format_for("weight"))
-                grad_x = fp8_gemm(g_fp8, g_scale_inv, w_fp8, w_scale.reciprocal(), out_dtype=ctx.x_dtype, backend=recipe.backend)
+                # re-cast with the forward's scale (dgrad sees the weight the forward saw), straight into the
+                # transposed layout: W^T row-major is W column-major, what _scaled_mm wants as second operand
+                w_fp8_t = cast_to_fp8(weight, w_scale, recipe.format_for("weight"), layout="t")
+                grad_x = fp8_gemm(g_fp8, g_scale_inv, w_fp8_t.t(), w_scale.reciprocal(), out_dtype=ctx.x_dtype, backend=recipe.backend)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = fp8_gemm(g_fp8.t(), g_scale_inv, x_fp8, x_scale.reciprocal(), out_dtype=weight.dtype, backend=recipe.backend)
+                grad_w = fp8_gemm(g_fp8_t, g_scale_inv, x_fp8_t.t(), x_scale.reciprocal(), out_dtype=weight.dtype, backend=recipe.backend)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g2d.to(torch.float32).sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None

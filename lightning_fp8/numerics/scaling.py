@@ -40,7 +40,10 @@ def scale_from_amax(
     scale = (fp8_max / safe_amax) / (2.0**margin)
     scale = torch.clamp(scale, max=_FLOAT32_MAX)
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        # frexp gives the exact binary exponent (scale = m * 2**e, 0.5 <= m < 1); floor(log2(.)) rounds up just
+        # below a power of two, and the resulting scale would clip the amax itself
+        _, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
     return torch.where(usable, scale, previous_scale)
 
 
