@@ -42,6 +42,7 @@ from accelerate.utils.dataclasses import FP8BackendType
 from accelerate.utils.operations import convert_outputs_to_fp32
 from torch import nn
 
+from lightning_fp8.autocast import fp8_autocast
 from lightning_fp8.convert import ModuleFilter
 from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
@@ -171,6 +172,8 @@ class FP8AcceleratorMixin:
         requested = _resolve_mixed_precision(arguments.get("mixed_precision"))
         self._fp8_core: Optional[FP8PrecisionCore] = None
         self._fp8_model: Optional[nn.Module] = None
+        #: (user's optimizer, FP8AdamW) pairs from optimizer_state="fp8", to re-point LR schedulers
+        self._fp8_swapped_optimizers: List[tuple] = []
         if requested == "fp8":
             foreign = [type(h).__name__ for h in handlers if type(h).__name__ in _ACCELERATE_FP8_HANDLERS]
             if foreign:
@@ -279,16 +282,17 @@ class FP8AcceleratorMixin:
             return optimizer
         # schedulers are usually built on the user's optimizer before prepare(): re-point those prepared already
         # here, and the rest when they reach prepare_scheduler
-        self._fp8_swapped_optimizers = getattr(self, "_fp8_swapped_optimizers", []) + [(optimizer, new)]
+        self._fp8_swapped_optimizers.append((optimizer, new))
         rebind_lr_schedulers([s.scheduler for s in self._schedulers], optimizer, new)
         self._fp8_core.engine.replace_optimizer(optimizer, new)
         return new
 
     def prepare_scheduler(self, scheduler):
-        for old, new in getattr(self, "_fp8_swapped_optimizers", []):
+        if self._fp8_swapped_optimizers:
             from lightning_fp8.optim import rebind_lr_schedulers
 
-            rebind_lr_schedulers([scheduler], old, new)
+            for old, new in self._fp8_swapped_optimizers:
+                rebind_lr_schedulers([scheduler], old, new)
         return super().prepare_scheduler(scheduler)
 
     # -- backward, unscale, clip ----------------------------------------------------------------------------------
@@ -353,9 +357,15 @@ class FP8AcceleratorMixin:
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler=None) -> Iterator[None]:
-        """The forward's context (compute-dtype autocast + FP8) for code outside the model's forward."""
+        """The prepared forward's context (compute-dtype autocast + FP8) for code outside the model's forward;
+        `AutocastKwargs(enabled=False)` turns both off, as it turns off Accelerate's autocast."""
         if self._fp8_core is None:
             with super().autocast(autocast_handler):
+                yield
+            return
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        if handler is not None and not handler.enabled:
+            with torch.autocast(self._fp8_core._device_type(), enabled=False), fp8_autocast(enabled=False):
                 yield
             return
         with self._fp8_core._fp8_context(True):
