@@ -11,7 +11,14 @@ Covered: float32 parameters (master_weights="fp32"), exp_avg_sq_dtype "fp16" or 
 stochastic rounding from the seeded torch generator; CPU tensors) falls back to the torch reference per
 parameter, so the two backends produce the same results wherever they both apply.
 
-Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA.
+Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
+coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
+
+Verification status: NOT run on a GPU (none was available while writing it). Under the Triton interpreter on
+CPU (tests/test_optim.py::test_triton_kernel_under_interpreter) one step from the same state matches the
+reference: parameters to float32 rounding, scales, and every stored code except where the interpreter's own
+float8 conversion mis-rounds (it halves values that should round up to a power of two, see DESIGN.md).
+The hardware float8 conversion is checked by tests/test_optim.py -m cuda only.
 Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
 """
 from __future__ import annotations
@@ -30,7 +37,7 @@ from lightning_fp8.optim.blockwise import FP16_STORAGE
 def _fp8_adamw_block_kernel(
     p_ptr, g_ptr, m_ptr, m_sinv_ptr, v_ptr, v_sinv_ptr,
     numel,
-    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, bias_correction2_sqrt,
     DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, V_FP8: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, BLOCK: tl.constexpr, FLT_MAX: tl.constexpr,
 ):
@@ -50,11 +57,11 @@ def _fp8_adamw_block_kernel(
 
     if HAS_WD:
         if DECOUPLED:
-            p = p * (1.0 - lr * weight_decay)
+            p = p * decay_factor
         else:
             g = g + weight_decay * p
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp(m, g, w) for w < 0.5
-    v = v * beta2 + (1.0 - beta2) * g * g
+    m = m + one_minus_beta1 * (g - m)  # torch's lerp(m, g, w) for w < 0.5
+    v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.math.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p, mask=mask)
@@ -112,7 +119,7 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
     _fp8_adamw_block_kernel[grid](
         param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"], state["exp_avg_sq_scale_inv"],
         numel,
-        lr, beta1, beta2, float(group["eps"]), wd, lr / bias_correction1, bias_correction2**0.5,
+        1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1, bias_correction2**0.5,
         DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
         V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
         FLT_MAX=torch.finfo(torch.float32).max,
