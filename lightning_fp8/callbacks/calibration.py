@@ -1,0 +1,199 @@
+"""FP8Calibration: initialise every FP8 scale and amax history from a few real batches before the first optimizer step.
+
+Without it training is still safe: a delayed-scaling state that has never seen an amax casts with current scaling
+(the scale of the tensor being cast), and from the second step on the history holds one step. With it, the first
+steps already use delayed scaling whose history holds `num_batches` representative amaxes, so an early batch with
+larger activations than the first one does not clip.
+
+What the pass does, at `on_train_start` (after the model is converted, after a checkpoint would have been restored,
+after the sanity check), on `num_batches` batches of the train dataloader:
+
+    with torch.no_grad(), fp8_autocast(calibrating=True):      # FP8Linear computes in high precision and records
+        training_step(batch)                                   # input and weight amaxes into amax_history[0]
+    engine.update_scales()   (or each layer's update_scales())  # new scale from the history, history rolled
+
+once per batch, in train mode and under the precision plugin's autocast, so the amaxes are those training sees.
+Closing each batch as one step makes the result exactly "delayed scaling with the calibration amaxes as history":
+after N batches `amax_history[1:N+1]` holds the N per-batch amaxes (newest first), the scale is computed from them
+by the recipe's rule (`amax_compute_algo`, `margin`), and `initialized` is set. The first training step then casts
+with that scale and adds its own amax to the same history.
+
+Gradients (`grad_output`) have no forward pass to calibrate on: they start with current scaling on the first step,
+as without calibration. The pass leaves no trace besides the scaling state: the random number generators (data
+order, dropout), BatchNorm running statistics and the module's train/eval mode are restored, `self.log` calls of
+the training step are dropped, and the engine's overflow baseline is re-taken. A resumed run (ckpt_path given) or a
+model whose scales are all initialised already is not calibrated again.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_fp8.autocast import fp8_autocast
+from lightning_fp8.callbacks.records import fp8_engine, hub_for
+from lightning_fp8.convert import fp8_layers
+
+log = logging.getLogger("lightning_fp8")
+
+ForwardFn = Callable[[Any, Any, int], Any]
+
+
+class FP8Calibration(Callback):
+    """Calibrate FP8 scales on `num_batches` training batches at the start of fit.
+
+    Args:
+        num_batches: batches to calibrate on (each is one entry of the amax history; more than the recipe's
+            `amax_history_len` only keeps the newest).
+        forward_fn: callable(pl_module, batch, batch_idx) running the model forward; default: the module's
+            `training_step` (its `self.log` calls are dropped). Needed for manual optimization, whose training_step
+            steps optimizers itself.
+        dataloader: an iterable of batches to use instead of the trainer's train dataloader.
+        force: calibrate even when resuming from a checkpoint or when every scale is initialised already.
+    """
+
+    def __init__(
+        self,
+        num_batches: int = 8,
+        forward_fn: Optional[ForwardFn] = None,
+        dataloader: Optional[Iterable] = None,
+        force: bool = False,
+    ) -> None:
+        if not isinstance(num_batches, int) or num_batches < 1:
+            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
+        self.num_batches = num_batches
+        self.forward_fn = forward_fn
+        self.dataloader = dataloader
+        self.force = force
+        #: batches the last pass used (0: no pass ran)
+        self.calibrated_batches = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.calibrated_batches = 0
+        layers = fp8_layers(pl_module)
+        if not layers:
+            return
+        if not self.force:
+            if getattr(trainer, "ckpt_path", None) is not None:
+                log.info("lightning_fp8: FP8Calibration skipped: resuming from a checkpoint, whose scales are kept")
+                return
+            if all(layer.fp8_meta.input.initialized and layer.fp8_meta.weight.initialized for layer in layers.values()):
+                log.info("lightning_fp8: FP8Calibration skipped: every FP8 scale is initialised already")
+                return
+        if all(layer.recipe.scaling != "delayed" for layer in layers.values()):
+            log.info("lightning_fp8: FP8Calibration skipped: current scaling computes every scale from its own tensor")
+            return
+        forward = self.forward_fn or _default_forward(pl_module)
+        if forward is None:
+            log.warning(
+                "lightning_fp8: FP8Calibration skipped: with manual optimization pass forward_fn=(module, batch, idx) "
+                "so calibration can run the model without stepping optimizers"
+            )
+            return
+        loader = self.dataloader if self.dataloader is not None else _train_iterable(trainer)
+        if loader is None:
+            log.warning("lightning_fp8: FP8Calibration skipped: no train dataloader")
+            return
+        engine = fp8_engine(trainer)
+        plugin = getattr(trainer, "precision_plugin", None)
+        step_context = getattr(plugin, "train_step_context", None)
+        n = 0
+        with _preserved_state(pl_module, trainer), torch.no_grad():
+            pl_module.train()
+            for batch_idx, batch in enumerate(itertools.islice(iter(loader), self.num_batches)):
+                batch = trainer.strategy.batch_to_device(batch)
+                with (step_context() if step_context is not None else contextlib.nullcontext()):
+                    with fp8_autocast(calibrating=True):  # innermost: the plugin's context would reset it
+                        forward(pl_module, batch, batch_idx)
+                if engine is not None:
+                    engine.update_scales()  # all-reduces the amaxes across ranks, then updates every layer
+                else:
+                    for layer in layers.values():
+                        layer.update_scales()
+                n += 1
+        if engine is not None:
+            engine.resync()  # overflow counters the pass may have moved are not the first step's
+        self.calibrated_batches = n
+        log.info("lightning_fp8: FP8Calibration initialised the scales of %d FP8 layers on %d batches", len(layers), n)
+        hub = hub_for(trainer)
+        hub.write(trainer, {
+            "type": "event", "source": "calibration", "step": trainer.global_step, "kind": "calibration",
+            "reason": f"scales initialised from {n} batches", "layers": list(layers),
+        })
+
+
+def _default_forward(pl_module) -> Optional[ForwardFn]:
+    if not getattr(pl_module, "automatic_optimization", True):
+        return None
+
+    def forward(module, batch, batch_idx):
+        return module.training_step(batch, batch_idx)
+
+    return forward
+
+
+def _train_iterable(trainer) -> Optional[Iterable]:
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        return None
+    if isinstance(loaders, (list, tuple, dict)):
+        from lightning.pytorch.utilities import CombinedLoader
+
+        combined = CombinedLoader(loaders, mode="max_size_cycle")
+        return (item[0] for item in combined)
+    return loaders
+
+
+@contextlib.contextmanager
+def _preserved_state(pl_module: nn.Module, trainer):
+    """Restore RNG streams, BatchNorm statistics, train/eval modes and the module's log methods afterwards."""
+    modes = {m: m.training for m in pl_module.modules()}
+    norms: Dict[nn.Module, List[torch.Tensor]] = {}
+    for m in pl_module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            norms[m] = [b.detach().clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    dropped = lambda *args, **kwargs: None  # noqa: E731
+    had = {name: name in vars(pl_module) for name in ("log", "log_dict")}
+    previous = {name: vars(pl_module).get(name) for name in had}
+    pl_module.log = dropped
+    pl_module.log_dict = dropped
+    py_state = random.getstate()
+    np_state = _numpy_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            import numpy
+
+            numpy.random.set_state(np_state)
+        for name, present in had.items():
+            if present:
+                setattr(pl_module, name, previous[name])
+            else:
+                delattr(pl_module, name)
+        for m, training in modes.items():
+            m.training = training
+        for m, saved in norms.items():
+            live = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+            for b, s in zip(live, saved):
+                b.copy_(s)
+
+
+def _numpy_state():
+    try:
+        import numpy
+    except ImportError:  # numpy is optional
+        return None
+    return numpy.random.get_state()
+
+
+__all__ = ["FP8Calibration"]

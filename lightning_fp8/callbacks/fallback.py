@@ -1,0 +1,529 @@
+"""FP8LayerFallback: move a layer that cannot live in FP8 to BF16, by itself, and say why.
+
+Where a layer falls back to BF16: here, in `FP8LayerFallback._fall_back` (the only place that switches
+`layer.fp8_enabled` off at run time).
+
+Rules, each checked per FP8 layer and tensor role (input, weight, grad_output):
+
+overflow   the step's amax exceeded the range the cast's scale allows by more than `overflow_factor`
+           (amax * scale > overflow_factor * fp8_max: values clipped by more than that factor). Checked every
+           optimizer step from the layers' own scaling state, before the engine updates the scales (one small
+           device-to-host copy per step). A cast that clips a hair (a weight growing by 0.01% under delayed scaling
+           does that on most steps early in training) is normal and does not count. A layer falls back when it was
+           the *origin* of an overflow in `overflow_patience` of the last `overflow_window` steps.
+precision  the quantization SQNR of a role is below `min_sqnr_db` (or, if `max_underflow` is set, more than that
+           fraction of its non-zero values is flushed to zero) in `stats_patience` consecutive statistics checks
+           (every `check_every_n_steps` steps, and on FP8ScaleMonitor's logging steps; statistics come from
+           `lightning_fp8.numerics.stats` through the shared sampler).
+non-finite a non-finite value originates in the layer: after the engine reports a non-finite amax, the next steps
+           run with cheap forward hooks that find FP8 layers whose input and weight are finite but whose output is
+           not; `nonfinite_patience` such steps move the layer. (A non-finite value that starts outside every FP8
+           layer, e.g. in the data, moves nothing: the engine's skip / rollback handles it.)
+
+Where an anomaly originates: values flow forward through the layers (and gradients backward), so one bad layer
+makes the layers after it overflow in the same step. Anomalies are grouped into episodes per (layer, role); all
+episodes that start in the same step are attributed to one origin: the first layer in forward execution order with
+an input or weight anomaly, or, when only gradients are anomalous, the last layer in forward order (the first the
+backward pass reaches). An episode inherited from an origin stays attributed to it for as long as it lasts, so the
+layers downstream of a failing layer are not moved for its failure. Only steps where a layer is the origin count
+against it.
+
+Every switch is logged (python logging, a `fp8/<fqn>/fp8_enabled` logger metric and `fp8/fallback_layers`, an
+event in the history file) and kept in checkpoints (this callback's state; the layer's `fp8_meta.enabled` buffer
+travels with the precision plugin's state), so a resumed run has the same precision map with the same reasons.
+`retry_after_steps` optionally tries a fallen-back layer in FP8 again later (with fresh scaling state).
+`keep_in_bf16` keeps layers matching glob patterns in BF16 from the start.
+
+Under DDP the per-rank observations are combined with one MAX all-reduce per step, so every rank makes the same
+decision.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_fp8.callbacks.records import (
+    StatsConsumer,
+    StatsRecord,
+    fp8_engine,
+    hub_for,
+    layer_counters,
+    precision_rows,
+)
+from lightning_fp8.convert import fp8_layers
+from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.modules.linear import FP8Linear
+from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
+from lightning_fp8.recipe import ROLES
+
+log = logging.getLogger("lightning_fp8")
+
+Key = Tuple[str, str]  # (layer fqn, role)
+
+
+def reset_scaling_state(layer: FP8Linear) -> None:
+    """Forget a layer's amax histories so its next FP8 step starts with current scaling (used when retrying a
+    layer in FP8 after a fallback: its old scales may be stale)."""
+    with torch.no_grad():
+        for state in layer.fp8_meta.states().values():
+            state.amax_history.zero_()
+            state.initialized.fill_(False)
+            state.pending_update = False
+
+
+class FP8LayerFallback(StatsConsumer, Callback):
+    """Switch layers that cannot live in FP8 to BF16 (see the module docstring for the rules).
+
+    Args:
+        keep_in_bf16: glob patterns of layer names (fully qualified, e.g. "blocks.*.attn.*") kept in BF16 from the
+            start.
+        overflow_factor: an amax more than this factor beyond the cast's range counts as an overflow. Healthy runs
+            peak at about 2x (regression MLP) to 4.6x (demo GPT, gradients in the first steps).
+        overflow_patience / overflow_window: overflows (as origin) in that many of the last `overflow_window`
+            steps move the layer.
+        min_sqnr_db: quantization SQNR (dB) below which a statistics check is bad (None: off). FP8 casts of
+            well-scaled tensors measure about 31 dB (E4M3) and 25 dB (E5M2).
+        max_underflow: fraction of non-zero values flushed to zero above which a check is bad (None: off).
+        stats_patience: consecutive bad statistics checks that move the layer.
+        check_every_n_steps: optimizer steps between statistics checks (they also run on FP8ScaleMonitor's logging
+            steps). None: only on the monitor's steps.
+        nonfinite_patience: steps in which a non-finite value originated in the layer that move it.
+        retry_after_steps: steps after which a layer moved by a rule is tried in FP8 again (None: never).
+        max_retries: retries per layer; after that the layer stays in BF16.
+        sample_size: elements per tensor for the sampled statistics.
+    """
+
+    def __init__(
+        self,
+        keep_in_bf16: Sequence[str] = (),
+        overflow_factor: float = 8.0,
+        overflow_patience: int = 3,
+        overflow_window: int = 20,
+        min_sqnr_db: Optional[float] = 10.0,
+        max_underflow: Optional[float] = None,
+        stats_patience: int = 3,
+        check_every_n_steps: Optional[int] = 10,
+        nonfinite_patience: int = 2,
+        retry_after_steps: Optional[int] = None,
+        max_retries: int = 2,
+        sample_size: int = DEFAULT_SAMPLE_SIZE,
+    ) -> None:
+        if isinstance(keep_in_bf16, str):
+            keep_in_bf16 = (keep_in_bf16,)
+        for name, value in (
+            ("overflow_patience", overflow_patience),
+            ("overflow_window", overflow_window),
+            ("stats_patience", stats_patience),
+            ("nonfinite_patience", nonfinite_patience),
+            ("sample_size", sample_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if overflow_patience > overflow_window:
+            raise ValueError(f"overflow_patience ({overflow_patience}) cannot exceed overflow_window ({overflow_window})")
+        if not overflow_factor >= 1.0:
+            raise ValueError(f"overflow_factor must be >= 1, got {overflow_factor!r}")
+        if max_underflow is not None and not 0.0 < max_underflow <= 1.0:
+            raise ValueError(f"max_underflow must be in (0, 1] or None, got {max_underflow!r}")
+        for name, value in (("check_every_n_steps", check_every_n_steps), ("retry_after_steps", retry_after_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        self.keep_in_bf16 = tuple(keep_in_bf16)
+        self.overflow_factor = float(overflow_factor)
+        self.overflow_patience = overflow_patience
+        self.overflow_window = overflow_window
+        self.min_sqnr_db = min_sqnr_db
+        self.max_underflow = max_underflow
+        self.stats_patience = stats_patience
+        self.check_every_n_steps = check_every_n_steps
+        self.nonfinite_patience = nonfinite_patience
+        self.retry_after_steps = retry_after_steps
+        self.max_retries = max_retries
+        self.sample_size = sample_size
+        #: fqn -> {"reason", "rule", "roles", "step", "manual", "retries", "retry_at"}: the layers this callback
+        #: keeps in BF16, with why. Survives checkpoints.
+        self.fallbacks: Dict[str, Dict[str, Any]] = {}
+        #: chronological switches (fallback / retry / keep_bf16) made by this callback
+        self.events: List[Dict[str, Any]] = []
+        self._retries: Dict[str, int] = {}
+        self._overflow_hits: Dict[str, Deque[int]] = {}
+        self._stats_streak: Dict[str, int] = {}
+        self._nonfinite_hits: Dict[str, int] = {}
+        self._episodes: Dict[str, Dict[Key, str]] = {"overflow": {}, "stats": {}}
+        self._step_start: Optional[int] = None
+        self._ratios: Optional[torch.Tensor] = None
+        self._ratio_keys: List[Key] = []
+        self._diagnose_next = False
+        self._diag_hooks: List[Any] = []
+        self._diag: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._rollbacks_seen = 0
+        self._last_result = None
+        self._counters: Optional[Dict] = None
+        self._manual_logged: Set[str] = set()
+
+    # -- statistics cadence ------------------------------------------------------------------------------------
+    def wants_stats(self, step: int) -> bool:
+        if self.min_sqnr_db is None and self.max_underflow is None:
+            return False
+        n = self.check_every_n_steps
+        return n is not None and (step + 1) % n == 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            hub_for(trainer).setup_history(trainer)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._apply(trainer, pl_module, announce=False)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # again: the precision plugin restores `fp8_meta.enabled` from a checkpoint after on_fit_start
+        self._apply(trainer, pl_module, announce=True)
+        engine = fp8_engine(trainer)
+        self._rollbacks_seen = engine.rollbacks if engine is not None else 0
+        self._last_result = engine.last_result if engine is not None else None
+        self._counters = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        hub = hub_for(trainer)
+        hub.begin_batch(trainer, pl_module)
+        if self._step_start is None:
+            self._step_start = trainer.global_step
+            if self._diagnose_next:
+                self._install_diagnosis(pl_module)
+        if self._counters is None and fp8_engine(trainer) is None:
+            self._counters = layer_counters(fp8_layers(pl_module))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """After forward and backward, before the engine updates the scales: how far each amax went beyond the
+        range of the scale its cast used (on device; read once at the end of the batch)."""
+        ratios, keys = [], []
+        with torch.no_grad():
+            for fqn, layer in fp8_layers(pl_module).items():
+                if not layer.fp8_enabled:
+                    continue
+                recipe = layer.recipe
+                for role, state in layer.fp8_meta.states().items():
+                    if recipe.scaling != "delayed" or not recipe.uses_scaling_for(role):
+                        continue  # current scaling never clips; unscaled casts are the loss scaler's business
+                    fmt = recipe.format_for(role)
+                    ratio = state.amax_history[0] * state.scale / fmt.max
+                    ratio = torch.where(state.initialized, ratio, torch.zeros_like(ratio)).reshape(())
+                    ratios.append(ratio.to(ratios[0].device) if ratios else ratio)
+                    keys.append((fqn, role))
+        self._ratios = torch.stack(ratios) if ratios else None  # stays on device until the end of the batch
+        self._ratio_keys = keys
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = hub_for(trainer).end_batch(trainer)
+        if self._step_start is None or trainer.global_step <= self._step_start:
+            return  # gradient accumulation: the optimizer step has not happened yet
+        self._step_start = None
+        self._evaluate(trainer, pl_module, record)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._remove_diagnosis()
+        hub_for(trainer).abort()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._remove_diagnosis()
+        hub_for(trainer).abort()
+
+    # -- manual list and restored state ------------------------------------------------------------------------
+    def _apply(self, trainer, pl_module, announce: bool) -> None:
+        layers = fp8_layers(pl_module)
+        for fqn, layer in layers.items():
+            for pattern in self.keep_in_bf16:
+                if fnmatch.fnmatchcase(fqn, pattern) and fqn not in self.fallbacks:
+                    self.fallbacks[fqn] = {
+                        "reason": f"kept in BF16 by FP8LayerFallback(keep_in_bf16=[{pattern!r}])",
+                        "rule": "manual",
+                        "roles": [],
+                        "step": trainer.global_step,
+                        "manual": True,
+                        "retry_at": None,
+                    }
+                    break
+        for fqn, info in self.fallbacks.items():
+            layer = layers.get(fqn)
+            if layer is None:
+                log.warning("lightning_fp8: FP8LayerFallback has a decision for %s, which is not an FP8 layer of this model", fqn)
+                continue
+            self._disable(layer, info["reason"])
+            if announce and info.get("manual") and fqn not in self._manual_logged:
+                self._manual_logged.add(fqn)
+                log.info("lightning_fp8: %s kept in BF16 (%s)", fqn, info["reason"])
+                self._record_event(trainer, pl_module, "keep_bf16", [fqn], info["reason"], log_metric=False)
+
+    @staticmethod
+    def _disable(layer: FP8Linear, reason: str) -> None:
+        layer.fp8_enabled = False
+        layer.fp8_disabled_reason = reason
+
+    # -- the per-step decision ---------------------------------------------------------------------------------
+    def _evaluate(self, trainer, pl_module, record: Optional[StatsRecord]) -> None:
+        step = trainer.global_step
+        layers = fp8_layers(pl_module)
+        engine = fp8_engine(trainer)
+        hub = hub_for(trainer)
+        order = hub.order_index(pl_module)
+        keys = [(fqn, role) for fqn in layers for role in ROLES]
+        index = {key: i for i, key in enumerate(keys)}
+        n = len(keys)
+        # one flag vector: [overflow per key | bad statistics per key | nonfinite origin per layer | nonfinite seen]
+        flags = torch.zeros(2 * n + len(layers) + 1)
+        if self._ratios is not None:
+            for key, ratio in zip(self._ratio_keys, self._ratios.tolist()):
+                if key in index and ratio > self.overflow_factor:
+                    flags[index[key]] = ratio  # the ratio itself, for the reason text
+        self._ratios = None
+        bad_stats_values: Dict[Key, str] = {}
+        if record is not None:
+            for fqn, roles in record.layers.items():
+                for role, stats in roles.items():
+                    why = self._bad_stats(role, stats)
+                    if why is not None and (fqn, role) in index:
+                        flags[n + index[(fqn, role)]] = 1.0
+                        bad_stats_values[(fqn, role)] = why
+        layer_list = list(layers)
+        for i, fqn in enumerate(layer_list):
+            diag = self._diag_result(fqn)
+            if diag:
+                flags[2 * n + i] = 1.0
+        self._remove_diagnosis()
+        flags[-1] = float(self._nonfinite_reported(engine, layers))
+        all_reduce_max_([flags])
+        values = flags.tolist()
+
+        # rollbacks restore the layers' buffers (the `enabled` flag too): keep the decisions
+        if engine is not None and engine.rollbacks != self._rollbacks_seen:
+            self._rollbacks_seen = engine.rollbacks
+            for fqn, info in self.fallbacks.items():
+                if fqn in layers:
+                    self._disable(layers[fqn], info["reason"])
+
+        enabled = {fqn for fqn, layer in layers.items() if layer.fp8_enabled}
+        # overflow rule
+        overflow = {key: values[index[key]] for key in keys if values[index[key]] > 0 and key[0] in enabled}
+        credited = self._attribute("overflow", set(overflow), order)
+        for fqn in list(self._overflow_hits):
+            hits = self._overflow_hits[fqn]
+            while hits and hits[0] <= step - self.overflow_window:
+                hits.popleft()
+        for fqn, roles in credited.items():
+            hits = self._overflow_hits.setdefault(fqn, deque())
+            hits.append(step)
+            if len(hits) >= self.overflow_patience and fqn in enabled:
+                worst = max(roles, key=lambda r: overflow[(fqn, r)])
+                reason = (
+                    f"FP8 overflow originated here in {len(hits)} of the last {self.overflow_window} steps "
+                    f"({', '.join(sorted(roles))}: amax up to {overflow[(fqn, worst)]:.3g}x the range of the cast's "
+                    f"scale, values clipped; step {step})"
+                )
+                self._fall_back(trainer, pl_module, fqn, "overflow", sorted(roles), reason)
+                enabled.discard(fqn)
+
+        # precision rule (only on steps with statistics)
+        if record is not None:
+            bad = {key for key in keys if values[n + index[key]] > 0 and key[0] in enabled}
+            credited = self._attribute("stats", bad, order)
+            for fqn in enabled:
+                if fqn not in record.layers:
+                    continue
+                if fqn in credited:
+                    self._stats_streak[fqn] = self._stats_streak.get(fqn, 0) + 1
+                else:
+                    self._stats_streak[fqn] = 0
+                if self._stats_streak[fqn] >= self.stats_patience:
+                    roles = sorted(credited[fqn])
+                    details = "; ".join(bad_stats_values.get((fqn, r), f"{r} out of bounds") for r in roles)
+                    reason = f"{details} in {self._stats_streak[fqn]} consecutive checks (step {step})"
+                    rule = "sqnr" if "SQNR" in details else "underflow"
+                    self._fall_back(trainer, pl_module, fqn, rule, roles, reason)
+            for fqn in list(enabled):
+                if not layers[fqn].fp8_enabled:
+                    enabled.discard(fqn)
+
+        # non-finite rule
+        for i, fqn in enumerate(layer_list):
+            if values[2 * n + i] > 0 and fqn in enabled:
+                self._nonfinite_hits[fqn] = self._nonfinite_hits.get(fqn, 0) + 1
+                if self._nonfinite_hits[fqn] >= self.nonfinite_patience:
+                    reason = (
+                        f"non-finite output from finite input and weight in {self._nonfinite_hits[fqn]} steps "
+                        f"(the non-finite value originates in this layer; step {step})"
+                    )
+                    self._fall_back(trainer, pl_module, fqn, "nonfinite", ["output"], reason)
+                    enabled.discard(fqn)
+        self._diagnose_next = values[-1] > 0
+
+        self._retry_due(trainer, pl_module, step, layers)
+
+    def _bad_stats(self, role: str, stats: Dict[str, float]) -> Optional[str]:
+        sqnr = stats["sqnr_db"]
+        if self.min_sqnr_db is not None and sqnr == sqnr and sqnr < self.min_sqnr_db:  # NaN (no signal) is not bad
+            return f"quantization SQNR of {role} {sqnr:.1f} dB below {self.min_sqnr_db:g} dB"
+        under = stats["underflow"]
+        if self.max_underflow is not None and under > self.max_underflow:
+            return f"{under:.0%} of the non-zero {role} values flushed to zero (limit {self.max_underflow:.0%})"
+        return None
+
+    def _attribute(self, kind: str, anomalies: Set[Key], order: Dict[str, int]) -> Dict[str, Set[str]]:
+        """Episode bookkeeping (see the module docstring); returns {origin fqn: its own anomalous roles} for the
+        layers credited with an anomaly this step."""
+        previous = self._episodes[kind]
+        current: Dict[Key, str] = {key: previous[key] for key in anomalies if key in previous}
+        new = [key for key in anomalies if key not in previous]
+        if new:
+            # the step's origin: the first layer (forward order) with an input / weight anomaly, new or ongoing (a
+            # clipping cast delays what the next layer sees by a step, so a downstream episode can start a step
+            # after the upstream one); only gradients anomalous: the first layer the backward pass reaches
+            forward = [key for key in anomalies if key[1] != "grad_output"]
+            if forward:
+                first = min(forward, key=lambda k: order.get(k[0], len(order)))
+            else:
+                first = max(anomalies, key=lambda k: order.get(k[0], -1))
+            origin = current.get(first, first[0])  # an ongoing episode passes on its own origin
+            for key in new:
+                current[key] = origin
+        self._episodes[kind] = current
+        credited: Dict[str, Set[str]] = {}
+        for (fqn, role), origin in current.items():
+            if fqn == origin:
+                credited.setdefault(fqn, set()).add(role)
+        return credited
+
+    # -- non-finite diagnosis ----------------------------------------------------------------------------------
+    def _nonfinite_reported(self, engine, layers: Dict[str, FP8Linear]) -> bool:
+        if engine is not None:
+            result = engine.last_result
+            fresh = result is not None and result is not self._last_result
+            self._last_result = result
+            return bool(fresh and result.overflow_layers)
+        now = layer_counters(layers)
+        before = self._counters or {}
+        self._counters = now
+        return any(o > before.get(key, (0, 0))[1] for key, (_, o) in now.items())
+
+    def _install_diagnosis(self, pl_module) -> None:
+        self._remove_diagnosis()
+
+        def hook_for(fqn: str):
+            def hook(module, args, output):
+                if not module.fp8_enabled or not args or not isinstance(output, torch.Tensor):
+                    return
+                with torch.no_grad():
+                    flags = (
+                        torch.isfinite(args[0]).all().reshape(1),
+                        torch.isfinite(module.weight).all().reshape(1),
+                        torch.isfinite(output).all().reshape(1),
+                    )
+                previous = self._diag.get(fqn)
+                if previous is not None:  # several calls in a step: any call that originates counts
+                    flags = tuple(torch.cat([p, f.to(p.device)]) for p, f in zip(previous, flags))
+                self._diag[fqn] = flags
+
+            return hook
+
+        for fqn, layer in fp8_layers(pl_module).items():
+            if layer.fp8_enabled:
+                self._diag_hooks.append(layer.register_forward_hook(hook_for(fqn)))
+
+    def _diag_result(self, fqn: str) -> bool:
+        flags = self._diag.get(fqn)
+        if flags is None:
+            return False
+        inp, weight, out = (f.cpu() for f in flags)
+        return bool((inp & weight & ~out).any())
+
+    def _remove_diagnosis(self) -> None:
+        for handle in self._diag_hooks:
+            handle.remove()
+        self._diag_hooks = []
+        self._diag = {}
+
+    # -- switching ---------------------------------------------------------------------------------------------
+    def _fall_back(self, trainer, pl_module, fqn: str, rule: str, roles: List[str], reason: str) -> None:
+        layer = fp8_layers(pl_module)[fqn]
+        retries = self._retries.get(fqn, 0)
+        retry_at = None
+        if self.retry_after_steps is not None:
+            if retries < self.max_retries:
+                retry_at = trainer.global_step + self.retry_after_steps
+                reason += f"; FP8 retry at step {retry_at}"
+            else:
+                reason += f"; no more FP8 retries ({retries} done)"
+        self.fallbacks[fqn] = {
+            "reason": reason,
+            "rule": rule,
+            "roles": roles,
+            "step": trainer.global_step,
+            "manual": False,
+            "retry_at": retry_at,
+        }
+        self._disable(layer, reason)
+        self._overflow_hits.pop(fqn, None)
+        self._stats_streak.pop(fqn, None)
+        self._nonfinite_hits.pop(fqn, None)
+        log.warning("lightning_fp8: layer %s moved to BF16 at step %d: %s", fqn, trainer.global_step, reason)
+        self._record_event(trainer, pl_module, "fallback", [fqn], reason, rule=rule, roles=roles)
+
+    def _retry_due(self, trainer, pl_module, step: int, layers: Dict[str, FP8Linear]) -> None:
+        for fqn, info in list(self.fallbacks.items()):
+            retry_at = info.get("retry_at")
+            if info.get("manual") or retry_at is None or step < retry_at or fqn not in layers:
+                continue
+            layer = layers[fqn]
+            reset_scaling_state(layer)
+            layer.fp8_enabled = True  # also clears fp8_disabled_reason
+            del self.fallbacks[fqn]
+            self._retries[fqn] = self._retries.get(fqn, 0) + 1
+            for kind in self._episodes:
+                self._episodes[kind] = {k: v for k, v in self._episodes[kind].items() if k[0] != fqn and v != fqn}
+            reason = f"retry {self._retries[fqn]} of {self.max_retries} in FP8 after {self.retry_after_steps} steps in BF16"
+            log.warning("lightning_fp8: layer %s back in FP8 at step %d (%s)", fqn, step, reason)
+            self._record_event(trainer, pl_module, "retry", [fqn], reason)
+
+    def _record_event(self, trainer, pl_module, kind: str, fqns: List[str], reason: str, log_metric: bool = True, **extra) -> None:
+        event = {"step": trainer.global_step, "kind": kind, "reason": reason, "layers": list(fqns), **extra}
+        self.events.append(event)
+        hub = hub_for(trainer)
+        hub.write(trainer, {"type": "event", "source": "fallback", **event})
+        hub.write(trainer, {"type": "precision_map", "step": trainer.global_step, "layers": precision_rows(pl_module)})
+        if log_metric and trainer.loggers:
+            metrics = {f"fp8/{fqn}/fp8_enabled": float(fp8_layers(pl_module)[fqn].fp8_enabled) for fqn in fqns}
+            metrics["fp8/fallback_layers"] = float(sum(1 for info in self.fallbacks.values() if not info.get("manual")))
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    # -- checkpoint --------------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "version": 1,
+            "fallbacks": {fqn: dict(info) for fqn, info in self.fallbacks.items()},
+            "retries": dict(self._retries),
+            "events": list(self.events),
+            "overflow_hits": {fqn: list(hits) for fqn, hits in self._overflow_hits.items()},
+            "stats_streak": dict(self._stats_streak),
+            "nonfinite_hits": dict(self._nonfinite_hits),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.fallbacks = {fqn: dict(info) for fqn, info in state_dict.get("fallbacks", {}).items()}
+        self._retries = dict(state_dict.get("retries", {}))
+        self.events = list(state_dict.get("events", []))
+        self._overflow_hits = {fqn: deque(hits) for fqn, hits in state_dict.get("overflow_hits", {}).items()}
+        self._stats_streak = dict(state_dict.get("stats_streak", {}))
+        self._nonfinite_hits = dict(state_dict.get("nonfinite_hits", {}))
+        self._manual_logged = {fqn for fqn, info in self.fallbacks.items() if info.get("manual")}
+
+
+__all__ = ["FP8LayerFallback", "reset_scaling_state"]
