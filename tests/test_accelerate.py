@@ -16,7 +16,6 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import AutocastKwargs
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import RegressionModule, loader, mlp, trainer
