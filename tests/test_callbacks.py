@@ -1,0 +1,365 @@
+"""FP8ScaleMonitor and FP8LayerFallback with a real Lightning Trainer on CPU, and the statistics behind them."""
+import csv
+import json
+import logging
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from conftest import sqnr_db
+from helpers import RegressionModule, loader, trainer
+from lightning_fp8 import FP8Linear, FP8Precision, precision_map
+from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
+from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize
+from lightning_fp8.numerics.stats import quantization_stats, sample_elements
+
+ROLES = ("input", "weight", "grad_output")
+STATS = ("scale", "amax", "overflow", "underflow", "sqnr_db")
+
+
+class Deep(RegressionModule):
+    """Six linears without normalisation: net.2, net.4, net.6, net.8 run in FP8 (first and last stay BF16), and
+    whatever happens in one layer reaches every layer after it."""
+
+    def __init__(self, lr=1e-2):
+        super().__init__(lr=lr)
+        d, h = 32, 64
+        layers = [nn.Linear(d, h), nn.GELU()]
+        for _ in range(4):
+            layers += [nn.Linear(h, h), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(h, d))
+
+
+class GrowWeight(Callback):
+    """Planted fault: multiply one layer's weight by `factor` before each of `steps` optimizer steps."""
+
+    def __init__(self, fqn, start, steps, factor):
+        self.fqn, self.start, self.steps, self.factor = fqn, start, steps, factor
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.start <= trainer.global_step < self.start + self.steps:
+            with torch.no_grad():
+                pl_module.get_submodule(self.fqn).weight.mul_(self.factor)
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def history(log_dir):
+    with open(log_dir / "fp8_history.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def fp8_names(model):
+    return [fqn for fqn, m in model.named_modules() if isinstance(m, FP8Linear)]
+
+
+# -- numerics/stats.py ---------------------------------------------------------------------------------------------
+def test_quantization_stats_by_hand():
+    x = torch.tensor([1000.0, 0.5, 1e-9, 0.0, -3.0, float("inf")])
+    st = quantization_stats(x, torch.tensor(1.0), E4M3, sample_size=0)  # sample_size 0: every element
+    assert st.numel.item() == 6
+    assert st.overflow.item() == 2  # 1000 > 448 and inf
+    assert st.overflow_fraction().item() == pytest.approx(2 / 6)
+    assert st.nonzero.item() == 4  # inf is not finite, 0 is zero
+    assert st.underflow.item() == 1  # 1e-9 is flushed to zero
+    assert st.underflow_fraction().item() == pytest.approx(0.25)
+    finite = torch.tensor([1000.0, 0.5, 1e-9, 0.0, -3.0])
+    roundtrip = dequantize(quantize(finite, torch.tensor(1.0), E4M3), torch.tensor(1.0))
+    assert st.sqnr_db().item() == pytest.approx(sqnr_db(finite, roundtrip), abs=1e-6)
+    assert st.amax.item() == math.inf
+    # with a scale that fits the range nothing overflows and the SQNR is the format's
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    scale = torch.tensor(E5M2.max) / y.abs().max()
+    st = quantization_stats(y, scale, E5M2)
+    assert st.overflow.item() == 0 and st.underflow.item() == 0
+    expected = sqnr_db(y, dequantize(quantize(y, scale, E5M2), scale.reciprocal()))
+    assert st.sqnr_db().item() == pytest.approx(expected, abs=1e-6)
+    assert 20 < expected < 30  # two mantissa bits
+
+
+def test_sampling_uses_its_own_generator():
+    x = torch.randn(100_000)
+    state = torch.get_rng_state()
+    gen = torch.Generator().manual_seed(0)
+    a = sample_elements(x, 1000, gen)
+    quantization_stats(x, torch.tensor(10.0), E4M3, sample_size=1000, generator=gen)
+    assert torch.equal(torch.get_rng_state(), state)  # training's random stream untouched
+    assert a.numel() == 1000 and torch.equal(sample_elements(x, 1000, torch.Generator().manual_seed(0)), a)
+    assert sample_elements(x[:10], 1000).numel() == 10  # small tensors: all elements
+
+
+# -- FP8ScaleMonitor -----------------------------------------------------------------------------------------------
+def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
+    seen = {}
+
+    class ObserverSpy(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen[trainer.global_step] = [m.fp8_observer is not None for m in pl_module.modules() if isinstance(m, FP8Linear)]
+
+    model = RegressionModule()
+    logger = CSVLogger(tmp_path, name="run")
+    monitor = FP8ScaleMonitor(log_every_n_steps=2)
+    t = trainer(plugins=[FP8Precision()], max_steps=6, logger=logger, log_every_n_steps=2, callbacks=[monitor, ObserverSpy()])
+    t.fit(model, loader())
+    layers = fp8_names(model)
+    assert layers == ["net.2", "net.4"]
+    # observers only on the sampled steps (the first, then every 2nd), removed afterwards
+    assert {step: all(flags) for step, flags in seen.items()} == {0: True, 1: True, 2: False, 3: True, 4: False, 5: True}
+    assert all(m.fp8_observer is None for m in model.modules() if isinstance(m, FP8Linear))
+
+    rows = read_csv(tmp_path / "run" / "version_0" / "metrics.csv")
+    names = [f"fp8/{fqn}/{role}/{stat}" for fqn in layers for role in ROLES for stat in STATS]
+    assert set(names) <= set(rows[0])
+    sampled = [r for r in rows if r[names[0]] != ""]
+    assert [int(r["step"]) for r in sampled] == [0, 1, 3, 5]  # Lightning's own step numbering
+    assert {int(r["step"]) for r in rows if r["train_loss"] != ""} == {1, 3, 5}  # train_loss lands on the same steps
+    for r in sampled:
+        for fqn in layers:
+            assert float(r[f"fp8/{fqn}/fp8_enabled"]) == 1.0
+            for role in ROLES:
+                v = {stat: float(r[f"fp8/{fqn}/{role}/{stat}"]) for stat in STATS}
+                assert v["scale"] > 0 and v["amax"] > 0
+                assert 0.0 <= v["overflow"] <= 1.0 and 0.0 <= v["underflow"] <= 1.0
+                assert 15.0 < v["sqnr_db"] < 40.0  # healthy FP8 casts: ~31 dB E4M3, ~25 dB E5M2
+                assert float(r[f"fp8/{fqn}/{role}/clipped_casts"]) >= 0
+    # step 0 casts with current scaling (no history yet): scale = fp8 max / amax exactly
+    first = sampled[0]
+    assert float(first["fp8/net.2/input/scale"]) == pytest.approx(E4M3.max / float(first["fp8/net.2/input/amax"]), rel=1e-5)
+    assert float(first["fp8/net.2/grad_output/scale"]) == pytest.approx(
+        E5M2.max / float(first["fp8/net.2/grad_output/amax"]), rel=1e-5
+    )
+    # the history file: run header, precision map, one stats line per sampled step
+    records = history(tmp_path / "run" / "version_0")
+    kinds = [r["type"] for r in records]
+    assert kinds[:2] == ["run", "precision_map"] and kinds.count("stats") == 4 and kinds[-1] == "precision_map"
+    stats = [r for r in records if r["type"] == "stats"]
+    assert [r["step"] for r in stats] == [1, 2, 4, 6]  # optimizer steps completed (the engine's count)
+    assert set(stats[0]["layers"]) == set(layers) and set(stats[0]["layers"]["net.2"]) == {"enabled", *ROLES}
+    assert [row["precision"] for row in records[1]["layers"]] == ["bf16", "fp8", "fp8", "bf16"]
+
+
+def test_monitor_statistics_are_those_of_the_cast(tmp_path):
+    """On the first step (current scaling) the record equals quantization_stats of the exact tensor the layer cast."""
+    captured = {}
+
+    def grab(module, args):
+        captured.setdefault("x", args[0].detach().clone())
+
+    model = RegressionModule()
+    monitor = FP8ScaleMonitor(log_every_n_steps=1, sample_size=1 << 20)  # larger than the tensors: exact
+    t = trainer(plugins=[FP8Precision()], max_steps=1, default_root_dir=tmp_path, callbacks=[monitor, _HookAt("net.2", grab)])
+    t.fit(model, loader())
+    rec = monitor.last_record.layers["net.2"]["input"]
+    x = captured["x"]
+    scale = torch.tensor(E4M3.max) / x.abs().max().float()
+    expected = quantization_stats(x, scale, E4M3, sample_size=0)
+    assert rec["scale"] == pytest.approx(scale.item(), rel=1e-6)
+    assert rec["amax"] == pytest.approx(x.abs().max().item(), rel=1e-6)
+    assert rec["overflow"] == 0.0
+    assert rec["underflow"] == pytest.approx(expected.underflow_fraction().item())
+    assert rec["sqnr_db"] == pytest.approx(expected.sqnr_db().item(), abs=1e-4)
+    roundtrip = dequantize(quantize(x, scale, E4M3), scale.reciprocal())
+    assert rec["sqnr_db"] == pytest.approx(sqnr_db(x.float(), roundtrip), abs=1e-3)
+
+
+class _HookAt(Callback):
+    """Register a forward pre-hook on a layer once the plugin has converted the model."""
+
+    def __init__(self, fqn, hook):
+        self.fqn, self.hook = fqn, hook
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.get_submodule(self.fqn).register_forward_pre_hook(self.hook)
+
+
+# -- FP8LayerFallback ------------------------------------------------------------------------------------------------
+def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, caplog):
+    """net.6's weight grows x10 per step for 4 steps (x1e4 in all): its weight cast clips, and so do the input of
+    net.8 (its output, a step later), and the gradients of net.2 / net.4 (backward through it). Only net.6, where the
+    overflow originates, moves to BF16, with the reason; the loss stays finite; a resumed run has the same map."""
+    caplog.set_level(logging.WARNING, logger="lightning_fp8")
+    torch.manual_seed(0)
+    model = Deep()
+    fallback = FP8LayerFallback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    logger = CSVLogger(tmp_path, name="run")
+    t = trainer(
+        plugins=[FP8Precision()], max_steps=12, max_epochs=-1, logger=logger, log_every_n_steps=1, enable_checkpointing=True,
+        callbacks=[GrowWeight("net.6", start=4, steps=4, factor=10.0), FP8ScaleMonitor(log_every_n_steps=1), fallback, ckpt],
+    )
+    t.fit(model, loader())
+    pmap = {row.fqn: row for row in precision_map(model)}
+    assert [fqn for fqn, row in pmap.items() if row.precision == "fp8"] == ["net.2", "net.4", "net.8"]
+    reason = pmap["net.6"].reason
+    assert reason.startswith("FP8 overflow originated here in 3 of the last 20 steps") and "weight" in reason
+    assert model.net[6].fp8_disabled_reason == reason and not bool(model.net[6].fp8_meta.enabled)
+    assert [(e["kind"], e["layers"], e["rule"]) for e in fallback.events] == [("fallback", ["net.6"], "overflow")]
+    assert all(math.isfinite(loss) for loss in model.losses)
+    assert any("net.6 moved to BF16" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+    log_dir = tmp_path / "run" / "version_0"
+    records = history(log_dir)
+    # the layers around net.6 did overflow badly in the same steps: it is the attribution that spares them
+    worst = {}
+    for r in (r for r in records if r["type"] == "stats"):
+        for fqn, entry in r["layers"].items():
+            for role in ROLES:
+                if role in entry:
+                    worst[(fqn, role)] = max(worst.get((fqn, role), 0.0), float(entry[role]["overflow"]))
+    assert worst[("net.8", "input")] > 0.05 and worst[("net.4", "grad_output")] > 0.05
+    events = [r for r in records if r["type"] == "event" and r["kind"] == "fallback"]
+    assert [(e["layers"], e["reason"]) for e in events] == [(["net.6"], reason)]
+    final_map = [r for r in records if r["type"] == "precision_map"][-1]["layers"]
+    assert {r["fqn"]: r["reason"] for r in final_map}["net.6"] == reason
+    rows = read_csv(log_dir / "metrics.csv")
+    enabled = [float(r["fp8/net.6/fp8_enabled"]) for r in rows if r.get("fp8/net.6/fp8_enabled", "") != ""]
+    assert enabled[0] == 1.0 and enabled[-1] == 0.0
+    assert [float(r["fp8/fallback_layers"]) for r in rows if r.get("fp8/fallback_layers", "") != ""] == [1.0]
+
+    # resume from the checkpoint into a fresh model: same precision map with the same reasons
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["callbacks"]["FP8LayerFallback"]["fallbacks"]["net.6"]["reason"] == reason
+    maps = {}
+
+    class MapSpy(Callback):
+        def on_train_start(self, trainer, pl_module):
+            maps["start"] = [(r.fqn, r.precision, r.reason) for r in precision_map(pl_module)]
+
+    torch.manual_seed(0)
+    resumed = Deep()
+    t2 = trainer(plugins=[FP8Precision()], max_steps=14, max_epochs=-1, callbacks=[FP8LayerFallback(), MapSpy()])
+    t2.fit(resumed, loader(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    expected = [(r.fqn, r.precision, r.reason) for r in pmap.values()]
+    assert maps["start"] == expected
+    assert [(r.fqn, r.precision, r.reason) for r in precision_map(resumed)] == expected
+    assert not resumed.net[6].fp8_enabled and not bool(resumed.net[6].fp8_meta.enabled)
+
+
+def test_a_one_time_jump_is_absorbed_by_the_scales():
+    """Per-tensor scaling is scale-invariant: a weight x1e4 once overflows for one step, then the scale follows.
+    That is no reason to leave FP8."""
+    torch.manual_seed(0)
+    model = Deep()
+    fallback = FP8LayerFallback()
+    t = trainer(plugins=[FP8Precision()], max_steps=10, max_epochs=-1, callbacks=[GrowWeight("net.6", 3, 1, 1e4), fallback])
+    t.fit(model, loader())
+    assert fallback.events == []
+    assert all(row.precision == "fp8" for row in precision_map(model) if row.fqn in ("net.2", "net.4", "net.6", "net.8"))
+
+
+def test_sqnr_rule_after_an_activation_spike():
+    """One batch whose activations entering net.4 are 1e6x larger pins net.4's delayed scale for the whole amax
+    history: the following casts flush its inputs (SQNR near 0 dB). net.6 and net.8 inherit the spike through
+    net.4; only net.4 moves, by the SQNR rule."""
+
+    step = {}
+
+    def spike(module, args):
+        if step["now"] == 3:
+            return (args[0] * 1e6,)
+
+    class StepCounter(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step["now"] = trainer.global_step
+
+    torch.manual_seed(0)
+    model = Deep()
+    fallback = FP8LayerFallback(check_every_n_steps=1, stats_patience=3)
+    t = trainer(plugins=[FP8Precision()], max_steps=10, max_epochs=-1, callbacks=[StepCounter(), _HookAt("net.4", spike), fallback])
+    t.fit(model, loader())
+    assert [(e["layers"], e["rule"]) for e in fallback.events] == [(["net.4"], "sqnr")]
+    assert "quantization SQNR of input" in model.net[4].fp8_disabled_reason
+    assert [row.fqn for row in precision_map(model) if row.precision == "fp8"] == ["net.2", "net.6", "net.8"]
+
+
+class InfOutput(Callback):
+    """Planted fault: `fqn` writes inf into its output while it runs in FP8, on steps [start, stop)."""
+
+    def __init__(self, fqn, start, stop=10**9):
+        self.fqn, self.start, self.stop = fqn, start, stop
+
+    def on_fit_start(self, trainer, pl_module):
+        layer = pl_module.get_submodule(self.fqn)
+
+        def hook(module, args, output):
+            if module.fp8_enabled and self.start <= trainer.global_step < self.stop:
+                output = output.clone()
+                output[0, :4] = float("inf")
+                return output
+
+        layer.register_forward_hook(hook)
+
+
+def test_nonfinite_origin_and_decisions_survive_a_rollback():
+    """net.4 produces inf from finite inputs (GELU turns it into NaN). The engine sees non-finite amaxes at net.6's
+    input and in the gradients, never at net.4's input, and skips and rolls back those steps; the fallback's
+    diagnosis finds where the non-finite value starts and moves net.4. A later rollback (NaN loss at step 9)
+    restores the layers' buffers from an older snapshot; the decision stays."""
+    torch.manual_seed(0)
+    model = Deep()
+
+    def nan_loss(module, x, y):
+        return (x * float("nan"), y) if module.trainer.global_step == 9 else (x, y)
+
+    model.fault = nan_loss
+    fallback = FP8LayerFallback(nonfinite_patience=2)
+    # the only snapshot is the one before step 1 (net.4 still in FP8)
+    plugin = FP8Precision(snapshot_every=50, max_rollbacks=10)
+    t = trainer(plugins=[plugin], max_steps=12, max_epochs=-1, callbacks=[InfOutput("net.4", start=3), fallback])
+    t.fit(model, loader())
+    assert [(e["layers"], e["rule"]) for e in fallback.events] == [(["net.4"], "nonfinite")]
+    assert "non-finite output from finite input and weight" in model.net[4].fp8_disabled_reason
+    engine = plugin.engine
+    skips = [e for e in engine.events if e["kind"] == "skip"]
+    assert "net.6.input" in skips[0]["layers"] and not any("net.4.input" in e["layers"] for e in skips)
+    fell = fallback.events[0]["step"]
+    assert engine.rollbacks >= 1 and any(e["kind"] == "rollback" and e["step"] > fell for e in engine.events)
+    assert not model.net[4].fp8_enabled and not bool(model.net[4].fp8_meta.enabled)
+    assert [row.fqn for row in precision_map(model) if row.precision == "fp8"] == ["net.2", "net.6", "net.8"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_keep_in_bf16_and_retry(tmp_path):
+    torch.manual_seed(0)
+    model = Deep()
+    fallback = FP8LayerFallback(keep_in_bf16=["net.2"], retry_after_steps=3, max_retries=1)
+    states = {}
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            layer = pl_module.net[6]
+            states[trainer.global_step] = (layer.fp8_enabled, bool(layer.fp8_meta.weight.initialized))
+
+    t = trainer(plugins=[FP8Precision()], max_steps=12, max_epochs=-1, logger=CSVLogger(tmp_path, name="run"),
+                callbacks=[GrowWeight("net.6", start=3, steps=4, factor=10.0), fallback, Spy()])
+    t.fit(model, loader())
+    kinds = [(e["kind"], e["layers"]) for e in fallback.events]
+    assert kinds == [("keep_bf16", ["net.2"]), ("fallback", ["net.6"]), ("retry", ["net.6"])]
+    fell, retried = fallback.events[1]["step"], fallback.events[2]["step"]
+    assert retried == fell + 3 and "FP8 retry at step" in fallback.events[1]["reason"]
+    assert states[fell] == (False, True)
+    assert states[retried] == (True, False)  # back in FP8 with a fresh scaling state (current scaling first)
+    assert model.net[6].fp8_enabled and model.net[6].fp8_disabled_reason is None  # the growth has stopped
+    assert model.net[2].fp8_disabled_reason == "kept in BF16 by FP8LayerFallback(keep_in_bf16=['net.2'])"
+    assert [r.precision for r in precision_map(model)] == ["bf16", "bf16", "fp8", "fp8", "fp8", "bf16"]
+    # the history file holds the events even without a monitor (it goes where the logger writes)
+    records = history(tmp_path / "run" / "version_0")
+    assert [r["kind"] for r in records if r["type"] == "event"] == ["keep_bf16", "fallback", "retry"]
+
+
+def test_fallback_arguments_are_validated():
+    with pytest.raises(ValueError, match="overflow_patience"):
+        FP8LayerFallback(overflow_patience=0)
+    with pytest.raises(ValueError, match="cannot exceed"):
+        FP8LayerFallback(overflow_patience=5, overflow_window=4)
+    with pytest.raises(ValueError, match="retry_after_steps"):
+        FP8LayerFallback(retry_after_steps=0)
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        FP8ScaleMonitor(log_every_n_steps=0)
