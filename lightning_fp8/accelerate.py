@@ -331,10 +331,10 @@ class FP8AcceleratorMixin:
         owners = self._owners(params)
         self.unscale_gradients(owners or None)
         engine = self._fp8_core.engine
-        if float(norm_type) == 2.0:
-            if len(owners) == 1 and _same_grads(params, _inner(owners[0])):
-                return engine.clip_grad_norm_(_inner(owners[0]), max_norm)
-            return clipping.clip_grad_norm_([p.grad for p in params], max_norm)
+        if float(norm_type) == 2.0 and owners:
+            # a subset of parameters (or parameters of several optimizers) is clipped together; a non-finite norm
+            # marks the step as skipped in the engine
+            return engine.clip_grad_norm_(_inner(owners[0]), max_norm, parameters=params)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
@@ -343,10 +343,7 @@ class FP8AcceleratorMixin:
         params = list(parameters)
         owners = self._owners(params)
         self.unscale_gradients(owners or None)
-        if len(owners) == 1 and _same_grads(params, _inner(owners[0])):
-            self._fp8_core.engine.clip_grad_value_(_inner(owners[0]), clip_value)
-        else:
-            clipping.clip_grad_value_([p.grad for p in params], clip_value)
+        clipping.clip_grad_value_([p.grad for p in params], clip_value)
 
     def _owners(self, params: Sequence[torch.Tensor]) -> List[AcceleratedOptimizer]:
         ids = {id(p) for p in params}
@@ -405,12 +402,6 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _same_grads(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
-    given = {id(p) for p in params if p.grad is not None}
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
-    return given == owned
 
 
 def _wrap_forward(model: nn.Module, context: Callable[[bool], Any]) -> None:

@@ -5,6 +5,7 @@ The two plugin classes inherit this mixin next to their framework's Precision ba
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
@@ -89,6 +90,7 @@ class FP8PrecisionCore:
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
         module = convert_to_fp8(module, self.recipe, self.module_filter)
+        exclude_fp8_meta_from_ddp_broadcast(module)
         self._module = module
         self.engine.attach(module)
         return module
@@ -115,9 +117,7 @@ class FP8PrecisionCore:
         self.engine.load_state_dict(state_dict["engine"])
         saved_recipe = FP8Recipe.from_dict(state_dict["engine"]["recipe"])
         if saved_recipe != self.recipe:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(
+            warnings.warn(
                 f"lightning_fp8: the checkpoint was trained with {saved_recipe}, this run uses {self.recipe}; "
                 "the scaling state is loaded as it is."
             )
@@ -125,6 +125,23 @@ class FP8PrecisionCore:
         if meta and self._module is not None:
             load_fp8_meta(self._module, meta)
         self.engine.resync()
+
+
+def exclude_fp8_meta_from_ddp_broadcast(module: nn.Module) -> None:
+    """Keep DistributedDataParallel from broadcasting rank 0's FP8 metadata before every forward.
+
+    DDP copies rank 0's buffers to all ranks at each forward (broadcast_buffers=True). For the FP8 metadata that is
+    wrong twice over: it overwrites each rank's overflow counters (the engine would see an overflow of rank 0 again
+    on the other ranks a step later and skip a clean step), and under gradient accumulation it discards the amaxes
+    the other ranks recorded in earlier micro-batches. The engine already keeps these buffers in agreement (an amax
+    all-reduce per optimizer step), so DDP must leave them alone. Call before the module is wrapped.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [name for name, _ in module.named_buffers() if FP8_META_MARKER in f".{name}"]
+    if names:
+        existing = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(set(existing + names)))
 
 
 def split_fp8_meta(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

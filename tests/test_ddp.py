@@ -17,6 +17,9 @@ def test_ddp_two_ranks_identical_weights_and_scales(tmp_path):
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert not torch.equal(r0.pop("raw_amax_rank"), r1.pop("raw_amax_rank"))  # ranks saw different data
+    # an overflow on rank 0 alone is skipped on both ranks, once (DDP must not broadcast the FP8 counters)
+    assert r0["skipped_steps"].item() == r1["skipped_steps"].item() == 1
+    assert r0["skip_steps"].tolist() == r1["skip_steps"].tolist() == [6]
     meta_keys = [k for k in r0 if "fp8_meta" in k]
     assert any(k.endswith("fp8_meta.input.scale") for k in meta_keys)
     for key in r0:

@@ -154,16 +154,24 @@ class FP8TrainingEngine:
         found_inf = self.scaler.unscale_and_check(_grads(optimizer))
         self._grads_nonfinite |= bool(found_inf.item())
 
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float, parameters: Optional[Sequence[torch.Tensor]] = None
+    ) -> torch.Tensor:
+        """Clip the unscaled gradients of `optimizer` (or of `parameters`, a subset of its parameters) to a global
+        L2 norm of max_norm, the norm computed in float32; a non-finite norm marks the step to be skipped."""
         self.unscale_(optimizer)
-        norm = clipping.clip_grad_norm_(_grads(optimizer), max_norm)
+        grads = _grads(optimizer) if parameters is None else [p.grad for p in parameters if p.grad is not None]
+        norm = clipping.clip_grad_norm_(grads, max_norm)
         if not torch.isfinite(norm):
             self._grads_nonfinite = True
         return norm
 
-    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+    def clip_grad_value_(
+        self, optimizer: torch.optim.Optimizer, clip_value: float, parameters: Optional[Sequence[torch.Tensor]] = None
+    ) -> None:
         self.unscale_(optimizer)
-        clipping.clip_grad_value_(_grads(optimizer), clip_value)
+        grads = _grads(optimizer) if parameters is None else [p.grad for p in parameters if p.grad is not None]
+        clipping.clip_grad_value_(grads, clip_value)
 
     def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> StepResult:
         """Apply (or skip) one optimizer step and run the post-step stability logic."""
