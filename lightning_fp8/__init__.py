@@ -1,5 +1,6 @@
 """lightning-fp8: FP8 mixed-precision training for PyTorch Lightning and Hugging Face Accelerate."""
 from lightning_fp8.autocast import fp8_autocast
+from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
 from lightning_fp8.convert import convert_to_fp8, fp8_layers, precision_map, revert_fp8
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.recipe import FP8Recipe
@@ -16,4 +17,7 @@ __all__ = [
     "precision_map",
     "fp8_layers",
     "fp8_autocast",
+    "FP8ScaleMonitor",
+    "FP8LayerFallback",
+    "FP8Calibration",
 ]

@@ -1,0 +1,18 @@
+"""The console script: help, unknown command, a tiny demo run (the README's demo at toy size)."""
+from lightning_fp8.cli import main
+
+
+def test_help_and_unknown_command(capsys):
+    assert main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
+    assert main(["bogus"]) == 2
+    assert "valid commands: demo, report" in capsys.readouterr().err
+
+
+def test_demo_runs_and_prints_the_table(capsys):
+    args = ["--steps", "4", "--d-model", "32", "--layers", "2", "--heads", "2", "--batch-size", "4", "--context", "16", "--val-batches", "1"]
+    assert main(["demo", *args]) == 0
+    out = capsys.readouterr().out
+    assert "relative val-loss gap" in out
+    assert "model.blocks.1.fc1   fp8   converted" in out
+    assert "first linear layer kept in BF16" in out
