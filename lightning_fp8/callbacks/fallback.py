@@ -184,6 +184,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._apply(trainer, pl_module, announce=False)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        hub_for(trainer).reset_layers()
         # again: the precision plugin restores `fp8_meta.enabled` from a checkpoint after on_fit_start
         self._apply(trainer, pl_module, announce=True)
         engine = fp8_engine(trainer)
@@ -206,7 +207,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         range of the scale its cast used (on device; read once at the end of the batch)."""
         ratios, keys = [], []
         with torch.no_grad():
-            for fqn, layer in fp8_layers(pl_module).items():
+            for fqn, layer in hub_for(trainer).layers(pl_module).items():
                 if not layer.fp8_enabled:
                     continue
                 recipe = layer.recipe
@@ -270,7 +271,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
     # -- the per-step decision ---------------------------------------------------------------------------------
     def _evaluate(self, trainer, pl_module, record: Optional[StatsRecord]) -> None:
         step = trainer.global_step
-        layers = fp8_layers(pl_module)
+        layers = hub_for(trainer).layers(pl_module)
         engine = fp8_engine(trainer)
         hub = hub_for(trainer)
         order = hub.order_index(pl_module)

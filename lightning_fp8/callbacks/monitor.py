@@ -92,6 +92,7 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             hub_for(trainer).setup_history(trainer, self.history_file or None, required=True)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        hub_for(trainer).reset_layers()
         self._started = False
         self._counters = None
 
@@ -144,6 +145,11 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         hub_for(trainer).abort()
 
     # -- output ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _layers(pl_module):
+        trainer = getattr(pl_module, "_trainer", None)
+        return hub_for(trainer).layers(pl_module) if trainer is not None else fp8_layers(pl_module)
+
     def _flush_engine_events(self, trainer, from_checkpoint: bool = False) -> None:
         engine = fp8_engine(trainer)
         if engine is None:
@@ -162,7 +168,7 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
     def metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None) -> Dict[str, float]:
         """The logger metrics of one record (names: see the module docstring)."""
         out: Dict[str, float] = {}
-        for fqn, layer in fp8_layers(pl_module).items():
+        for fqn, layer in self._layers(pl_module).items():
             out[f"fp8/{fqn}/fp8_enabled"] = float(layer.fp8_enabled)
             for role, stats in record.layers.get(fqn, {}).items():
                 for stat in STATS:
@@ -175,7 +181,7 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         return out
 
     def _counter_deltas(self, pl_module) -> Dict:
-        now = layer_counters(fp8_layers(pl_module))
+        now = layer_counters(self._layers(pl_module))
         before = self._counters or {}
         deltas = {}
         for key, (clip, over) in now.items():
@@ -193,7 +199,7 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         if not getattr(self, "_writes", False):
             return
         layers: Dict[str, Any] = {}
-        for fqn, layer in fp8_layers(pl_module).items():
+        for fqn, layer in self._layers(pl_module).items():
             entry: Dict[str, Any] = {"enabled": bool(layer.fp8_enabled)}
             for role in ROLES if layer.fp8_enabled else ():
                 stats = record.layers.get(fqn, {}).get(role)

@@ -6,8 +6,8 @@ FP8LayerFallback):
 - on the optimizer steps some callback asked for, it installs `layer.fp8_observer` on every FP8 layer for that one
   step (all micro-batches of it) and removes it afterwards, so the other steps pay nothing;
 - the observer computes `lightning_fp8.numerics.stats.quantization_stats` of each operand with the scale its cast
-  uses (the cast's own rule, `lightning_fp8.modules.cast`), and torchmetrics aggregators (MaxMetric / SumMetric)
-  combine the casts of the step;
+  uses (the cast's own rule, `lightning_fp8.modules.cast`), and a torchmetrics Metric per (layer, role)
+  (`QuantStatsMetric`: sums reduced by sum, amax by max) combines the casts of the step;
 - at the end of the step it turns them into one `StatsRecord` (one device-to-host copy), which every callback reads.
 
 It also records the layers' forward execution order on the first step (FP8LayerFallback attributes an anomaly to
@@ -25,14 +25,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torchmetrics.aggregation import MaxMetric, SumMetric
+from torchmetrics import Metric
 
 from lightning_fp8.autocast import current_state
 from lightning_fp8.convert import fp8_layers, precision_map
 from lightning_fp8.modules.cast import _scale as _cast_scale  # the cast's own scale rule (delayed / current / none)
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.numerics.quantize import tensor_amax
-from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE, QuantStats, overflow_fraction, quantization_stats
+from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE, STAT_FIELDS, QuantStats, overflow_fraction, quantization_stats
 from lightning_fp8.numerics.stats import sqnr_db as _sqnr_db
 from lightning_fp8.numerics.stats import underflow_fraction
 from lightning_fp8.recipe import ROLES
@@ -43,7 +43,7 @@ HISTORY_FILENAME = "fp8_history.jsonl"
 HISTORY_VERSION = 1
 #: statistics of one role in a StatsRecord (the metric names are fp8/<fqn>/<role>/<stat>)
 STATS = ("scale", "amax", "overflow", "underflow", "sqnr_db")
-_SUMS = ("numel", "overflow", "sampled", "nonzero", "underflow", "signal", "noise")
+_SUMS = STAT_FIELDS[1:]  # ("numel", "overflow", "sampled", "nonzero", "underflow", "signal", "noise")
 
 
 # -- small helpers ----------------------------------------------------------------------------------------------
@@ -96,33 +96,31 @@ class StatsRecord:
     layers: Dict[str, Dict[str, Dict[str, float]]] = field(default_factory=dict)
 
 
-class _RoleAggregate:
-    """Running statistics of one (layer, role) over the casts of one step: torchmetrics aggregators."""
+class QuantStatsMetric(Metric):
+    """Running statistics of one (layer, role) over the casts of one step, as a torchmetrics Metric: the sums of
+    `QuantStats` (reduced by sum), the amax (reduced by max, NaN propagates) and the last cast's scale. One metric
+    object per role keeps the per-cast cost to one update (eight scalar metrics per role cost 8x the bookkeeping)."""
 
-    def __init__(self, device: torch.device) -> None:
-        kwargs = dict(nan_strategy="disable", sync_on_compute=False)
-        self.amax = MaxMetric(**kwargs).set_dtype(torch.float64).to(device)
-        self.sums = {name: SumMetric(**kwargs).set_dtype(torch.float64).to(device) for name in _SUMS}
-        self.scale: Optional[torch.Tensor] = None
-        self.calls = 0
+    full_state_update = False
 
-    def update(self, stats: QuantStats, scale: torch.Tensor) -> None:
-        self.amax.update(stats.amax)
-        for name, metric in self.sums.items():
-            metric.update(getattr(stats, name))
+    def __init__(self) -> None:
+        super().__init__(sync_on_compute=False)
+        f64 = torch.float64
+        self.add_state("sums", default=torch.zeros(len(_SUMS), dtype=f64), dist_reduce_fx="sum")
+        self.add_state("amax", default=torch.tensor(-math.inf, dtype=f64), dist_reduce_fx="max")
+        self.add_state("scale", default=torch.tensor(math.nan, dtype=f64), dist_reduce_fx="max")
+        self.add_state("calls", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, stats: QuantStats, scale: torch.Tensor) -> None:  # type: ignore[override]
+        packed = stats.as_tensor()  # amax, then the sums in _SUMS order
+        self.sums += packed[1:]
+        self.amax = torch.maximum(self.amax, packed[0])  # NaN wins: a NaN amax is an overflow
         self.scale = scale.detach().reshape(()).to(torch.float64)
         self.calls += 1
 
-    def packed(self) -> torch.Tensor:
-        values = [self.amax.compute()] + [self.sums[name].compute() for name in _SUMS] + [self.scale]
-        return torch.stack([v.reshape(()).to(torch.float64) for v in values])
-
-    def reset(self) -> None:
-        self.amax.reset()
-        for metric in self.sums.values():
-            metric.reset()
-        self.scale = None
-        self.calls = 0
+    def compute(self) -> torch.Tensor:
+        """[amax, *sums, scale] as one float64 vector."""
+        return torch.cat([self.amax.reshape(1), self.sums, self.scale.reshape(1)])
 
 
 class LayerStatsSampler:
@@ -132,7 +130,8 @@ class LayerStatsSampler:
         self.sample_size = int(sample_size)
         # a private generator: sampling never moves the training run's random stream
         self.generator = torch.Generator().manual_seed(seed)
-        self._aggregates: Dict[Tuple[str, str], _RoleAggregate] = {}
+        self._aggregates: Dict[Tuple[str, str], QuantStatsMetric] = {}
+        self._calls: Dict[Tuple[str, str], int] = {}
         self._installed: Dict[str, Tuple[FP8Linear, Optional[Callable]]] = {}
 
     @property
@@ -171,19 +170,20 @@ class LayerStatsSampler:
             x, scale, fmt, self.sample_size, self.generator, rounding=recipe.rounding_for(role), amax=amax
         )
         key = (fqn, role)
-        aggregate = self._aggregates.get(key)
-        if aggregate is None:
-            aggregate = self._aggregates[key] = _RoleAggregate(x.device)
-        aggregate.update(stats, scale)
+        metric = self._aggregates.get(key)
+        if metric is None:
+            metric = self._aggregates[key] = QuantStatsMetric().to(x.device)
+        metric.update(stats, scale)
+        self._calls[key] = self._calls.get(key, 0) + 1
 
     def finish(self, step: int, logger_step: int) -> StatsRecord:
         """Stop observing and return the step's record (one host copy per device); the aggregators are reset."""
         self.stop_observing()
         record = StatsRecord(step=step, logger_step=logger_step)
-        seen = [(key, agg) for key, agg in self._aggregates.items() if agg.calls > 0]
+        seen = [(key, self._aggregates[key]) for key, calls in self._calls.items() if calls > 0]
         if seen:
-            packed = torch.stack([agg.packed().cpu() for _, agg in seen]).tolist()
-            for ((fqn, role), agg), values in zip(seen, packed):
+            packed = torch.stack([metric.compute().cpu() for _, metric in seen]).tolist()
+            for (fqn, role), values in zip((key for key, _ in seen), packed):
                 amax, numel, overflow, _sampled, nonzero, underflow, signal, noise, scale = values
                 record.layers.setdefault(fqn, {})[role] = {
                     "scale": scale,
@@ -191,10 +191,11 @@ class LayerStatsSampler:
                     "overflow": overflow_fraction(overflow, numel),
                     "underflow": underflow_fraction(underflow, nonzero),
                     "sqnr_db": _sqnr_db(signal, noise),
-                    "calls": agg.calls,
+                    "calls": self._calls[(fqn, role)],
                 }
-        for agg in self._aggregates.values():
-            agg.reset()
+        for key, _ in seen:
+            self._aggregates[key].reset()
+        self._calls.clear()
         return record
 
 
@@ -238,8 +239,20 @@ class StatsHub:
         self._order_hooks: List[Any] = []
         self._order_seen: List[str] = []
         self.history: Optional[HistoryFile] = None
-        self._history_path: Optional[str] = None
-        self._meta_written = False
+        self._layers: Optional[Dict[str, FP8Linear]] = None
+        self._layers_of: Optional[int] = None
+
+    # layers ----------------------------------------------------------------------------------------------------
+    def layers(self, pl_module: nn.Module) -> Dict[str, FP8Linear]:
+        """The module's FP8Linear layers by name, looked up once per fit (the per-step hooks use this)."""
+        if self._layers is None or self._layers_of != id(pl_module):
+            self._layers = fp8_layers(pl_module)
+            self._layers_of = id(pl_module)
+        return self._layers
+
+    def reset_layers(self) -> None:
+        """Forget the cached layers (at the start of each fit: conversion may have changed them)."""
+        self._layers = None
 
     # history ---------------------------------------------------------------------------------------------------
     def setup_history(self, trainer, path: Optional[str] = None, required: bool = False) -> None:
@@ -271,7 +284,7 @@ class StatsHub:
     def begin_batch(self, trainer, pl_module: nn.Module) -> None:
         """on_train_batch_start: start sampling if a consumer wants the optimizer step this batch belongs to."""
         step = trainer.global_step
-        layers = fp8_layers(pl_module)
+        layers = self.layers(pl_module)
         if not self.forward_order and not self._order_hooks and layers:
             self._watch_order(layers)
         if self._active_step is not None:
@@ -329,7 +342,7 @@ class StatsHub:
     def order_index(self, pl_module: nn.Module) -> Dict[str, int]:
         """Forward execution position of each FP8 layer (module order for layers not seen running)."""
         order = list(self.forward_order)
-        for fqn in fp8_layers(pl_module):
+        for fqn in self.layers(pl_module):
             if fqn not in order:
                 order.append(fqn)
         return {fqn: i for i, fqn in enumerate(order)}
