@@ -18,8 +18,10 @@ Variants:
                             whole model computes in bf16, updates are stochastically rounded
   bf16params_nearest        ablation: the same bf16 model updated with round-to-nearest (what
                             torch.optim.AdamW does to bf16 parameters); shows what stochastic rounding buys
+  ablation_fp8_sqrtv_sr     ablation: fp8_sqrtv with sqrt(v) stochastically rounded instead of to nearest
+                            (lightning_fp8.optim.state.FP8_SQRT_V_ROUNDING, not an FP8AdamW option)
 
-Usage: python benchmarks/optim_convergence.py [--steps 1000] [--seeds 0 1 2] [--variants ...]
+Usage: python benchmarks/optim_convergence.py [--steps 800] [--seeds 0 1 2] [--variants ...] [--reuse earlier.json]
 Writes benchmarks/results/optim_convergence.json and .md.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8.optim import FP8AdamW, state_bytes_per_param
+from lightning_fp8.optim import state as opt_state
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -122,6 +125,9 @@ def make_optimizer(variant: str, model: nn.Module, lr: float, wd: float, betas) 
         return FP8AdamW(model.parameters(), **common)
     if variant == "fp8_sqrtv":
         return FP8AdamW(model.parameters(), exp_avg_sq_dtype="fp8", **common)
+    if variant == "ablation_fp8_sqrtv_sr":
+        opt_state.FP8_SQRT_V_ROUNDING = "stochastic"  # reset by run()
+        return FP8AdamW(model.parameters(), exp_avg_sq_dtype="fp8", **common)
     if variant == "fp8_bf16v":
         return FP8AdamW(model.parameters(), exp_avg_sq_dtype="bf16", **common)
     if variant == "fp8_bf16master":
@@ -132,7 +138,7 @@ def make_optimizer(variant: str, model: nn.Module, lr: float, wd: float, betas) 
     raise ValueError(f"unknown variant {variant!r}; valid: {VARIANTS}")
 
 
-VARIANTS = ["adamw", "fp8", "fp8_sqrtv", "fp8_bf16v", "fp8_bf16master", "bf16params_nearest"]
+VARIANTS = ["adamw", "fp8", "fp8_sqrtv", "fp8_bf16v", "fp8_bf16master", "bf16params_nearest", "ablation_fp8_sqrtv_sr"]
 
 
 def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
@@ -178,6 +184,7 @@ def run(variant: str, seed: int, args, train: torch.Tensor, val: torch.Tensor, v
         if step >= args.steps - 50:
             train_loss = loss.item() if step == args.steps - 50 else 0.98 * train_loss + 0.02 * loss.item()
     seconds = time.perf_counter() - t0
+    opt_state.FP8_SQRT_V_ROUNDING = "nearest"
     val_loss = evaluate(model, val, val_starts, args.ctx, args.batch)
     out = dict(variant=variant, seed=seed, val_loss=val_loss, train_loss_ema=train_loss, seconds=seconds,
                state_bytes_per_param=state_bytes_per_param(opt))
@@ -257,10 +264,76 @@ def write_report(meta: Dict, summary: Dict, results: List[Dict], stem: str) -> N
     (RESULTS / f"{stem}.md").write_text("\n".join(lines))
 
 
+def v_tracking(steps: int = 3000, block: int = 128) -> Dict:
+    """How well each second-moment storage follows Adam's v, isolated from training.
+
+    4096 elements with gradient scales spread over 3 decades (mixed inside every block), Gaussian gradients, the
+    scale dropping 3x at mid-run; the stored v is read back, updated in float32, and stored again each step,
+    exactly as FP8AdamW does, next to a float32 EMA. Reports quantiles of sqrt(v_stored / v_float32), the
+    factor by which the update's denominator is off. Two storages FP8AdamW does *not* offer are included to
+    show why: bf16 with round-to-nearest, and sqrt(v) in E4M3 with stochastic rounding."""
+    from lightning_fp8.optim.blockwise import dequantize_blockwise, quantize_blockwise
+    from lightning_fp8.optim.rounding import seeded_generator
+    from lightning_fp8.optim.state import read_moments, write_moments
+
+    shape = (32, block)
+
+    def offered(dtype):
+        def codec(state, v, gen):
+            if v is None:
+                return read_moments(state, shape, block)[1]
+            write_moments(state, torch.zeros(shape), v, block, dtype, gen)
+        return codec
+
+    def bf16_nearest(state, v, gen):
+        if v is None:
+            return state["v"].float()
+        state["v"] = v.to(torch.bfloat16)
+
+    def fp8_sqrt_stochastic(state, v, gen):
+        if v is None:
+            return dequantize_blockwise(state["d"], state["s"], block, shape) ** 2
+        state["d"], state["s"] = quantize_blockwise(v.sqrt(), block, rounding="stochastic", generator=gen)
+
+    codecs = {"fp16": offered("fp16"), "bf16": offered("bf16"), "fp8": offered("fp8"),
+              "bf16 nearest (not offered)": bf16_nearest, "fp8 sqrt stochastic (not offered)": fp8_sqrt_stochastic}
+    out = {}
+    for name, codec in codecs.items():
+        torch.manual_seed(0)
+        sigma = torch.logspace(-5, -2, shape[0] * shape[1]).reshape(shape)[torch.randperm(shape[0])]
+        state = {}
+        codec(state, torch.zeros(shape), None)
+        v_ref = torch.zeros(shape)
+        rows = []
+        for t in range(1, steps + 1):
+            g = torch.randn(shape) * sigma * (0.3 if t > steps // 2 else 1.0)
+            v = codec(state, None, None) * 0.999 + 0.001 * g * g
+            v_ref = v_ref * 0.999 + 0.001 * g * g
+            codec(state, v, seeded_generator(torch.device("cpu"), t))
+            if t in (100, steps // 2, steps):
+                r = (codec(state, None, None) / v_ref).sqrt()
+                rows.append(dict(step=t, median=float(r.median()), p05=float(r.quantile(0.05)),
+                                 p95=float(r.quantile(0.95)), zero_fraction=float((r == 0).float().mean())))
+        out[name] = rows
+    return out
+
+
+def write_v_tracking(result: Dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "optim_v_tracking.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["# Second-moment storage: sqrt(v_stored / v_fp32), the error factor of the update's denominator", "",
+             "(benchmarks/optim_convergence.py --v-tracking; see v_tracking() for the setup)", "",
+             "| storage | step | median | 5th pct | 95th pct |", "|---|---|---|---|---|"]
+    for dtype, rows in result.items():
+        for r in rows:
+            lines.append(f"| {dtype} | {r['step']} | {r['median']:.3f} | {r['p05']:.3f} | {r['p95']:.3f} |")
+    (RESULTS / "optim_v_tracking.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--warmup", type=int, default=80)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -273,8 +346,16 @@ def main(argv=None) -> None:
     ap.add_argument("--corpus-bytes", type=int, default=8_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="optim_convergence", help="file stem under benchmarks/results/")
+    ap.add_argument("--reuse", default=None, help="a results JSON of an earlier run with the same settings: its "
+                    "(variant, seed) runs are taken from there instead of being run again (runs are deterministic)")
+    ap.add_argument("--v-tracking", action="store_true", help="only run the second-moment tracking diagnostic")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.v_tracking:
+        result = v_tracking()
+        write_v_tracking(result)
+        print(json.dumps(result, indent=2))
+        return
     variants = ["adamw"] + [v for v in args.variants if v != "adamw"]
 
     data = load_corpus(args.corpus_bytes)
@@ -282,7 +363,20 @@ def main(argv=None) -> None:
     train, val = data[:split], data[split:]
     val_starts = torch.randint(0, len(val) - args.ctx - 1, (args.val_batches * args.batch,),
                                generator=torch.Generator().manual_seed(1234))
-    results = [run(v, s, args, train, val, val_starts) for s in args.seeds for v in variants]
+    reused = {}
+    if args.reuse:
+        text = Path(args.reuse).read_text()
+        if args.reuse.endswith(".jsonl") or args.reuse.endswith(".log"):
+            # the per-run lines this script prints (no settings recorded: the caller vouches they match)
+            runs = [json.loads(line) for line in text.splitlines() if line.startswith('{"variant"')]
+            earlier = {"meta": {"args": vars(args)}, "runs": runs}
+        else:
+            earlier = json.loads(text)
+        same = ("steps", "warmup", "batch", "ctx", "lr", "wd", "beta1", "beta2", "val_batches", "corpus_bytes")
+        if any(earlier["meta"]["args"][k] != vars(args)[k] for k in same):
+            raise SystemExit(f"--reuse {args.reuse}: settings differ from this run's")
+        reused = {(r["variant"], r["seed"]): r for r in earlier["runs"]}
+    results = [reused.get((v, s)) or run(v, s, args, train, val, val_starts) for s in args.seeds for v in variants]
     summary = summarize(results, variants, args.seeds)
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -19,6 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fp8.optim.reference import adamw_step_
+from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
 from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
 
@@ -144,7 +145,11 @@ class FP8AdamW(Optimizer):
     @staticmethod
     def _generator(p: torch.Tensor, group: Dict[str, Any], state: Dict[str, Any], index: int) -> Optional[torch.Generator]:
         needs_noise = group["master_weights"] != "fp32" or (
-            is_compressed(state) and group["exp_avg_sq_dtype"] == "bf16"
+            is_compressed(state)
+            and (
+                group["exp_avg_sq_dtype"] == "bf16"
+                or (group["exp_avg_sq_dtype"] == "fp8" and _state.FP8_SQRT_V_ROUNDING == "stochastic")
+            )
         )
         if not needs_noise:
             return None

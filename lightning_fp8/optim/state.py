@@ -44,6 +44,10 @@ from lightning_fp8.optim.rounding import stochastic_round
 
 EXP_AVG_SQ_DTYPES = ("fp16", "bf16", "fp8")
 
+#: rounding of sqrt(v) into E4M3 for exp_avg_sq_dtype="fp8". Not an option of FP8AdamW: a module switch so that
+#: benchmarks/optim_convergence.py can run the stochastic alternative as an ablation (see docs/optimizer.md).
+FP8_SQRT_V_ROUNDING = "nearest"
+
 State = Dict[str, Any]
 
 
@@ -113,7 +117,10 @@ def write_moments(
         flat = v.reshape(-1)
         v_data = flat.to(torch.bfloat16) if generator is None else stochastic_round(flat, torch.bfloat16, generator)
     elif exp_avg_sq_dtype == "fp8":
-        v_data, v_scale_inv = quantize_blockwise(v.sqrt(), block_size, E4M3)
+        stochastic = FP8_SQRT_V_ROUNDING == "stochastic" and generator is not None
+        v_data, v_scale_inv = quantize_blockwise(
+            v.sqrt(), block_size, E4M3, rounding="stochastic" if stochastic else "nearest", generator=generator
+        )
     else:
         raise ValueError(f"exp_avg_sq_dtype={exp_avg_sq_dtype!r} is not valid; valid choices: {list(EXP_AVG_SQ_DTYPES)}")
     _store(state, "exp_avg", m_data)
