@@ -39,6 +39,8 @@ table{border-collapse:collapse;background:#fff;font-size:12.5px;width:100%}
 th,td{border:1px solid #e5e7eb;padding:5px 8px;text-align:left;vertical-align:top}
 th{background:#f3f4f6;font-weight:600}
 td.fqn{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;white-space:nowrap}
+td.layers{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;max-width:420px}
+table.events td:first-child{white-space:nowrap;width:4em} table.events td:nth-child(2){white-space:nowrap;width:6em}
 .badge{display:inline-block;border-radius:4px;padding:1px 7px;font-size:11px;font-weight:700}
 .fp8{background:#dcfce7;color:#166534} .bf16{background:#fef3c7;color:#92400e} .moved{background:#fee2e2;color:#991b1b}
 .layer{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:6px 12px 10px;margin:10px 0}
@@ -155,17 +157,19 @@ def render_report(history: RunHistory, title: Optional[str] = None) -> str:
     html.append("<h2>Events</h2>")
     html.append(timeline(history.events, x_range))
     skip_events = [e for e in history.events if e.get("kind") == "skip"]
-    rows: List[Tuple[int, str]] = []
+    rows: List[Tuple[float, str]] = []
     for e in history.events:
         if e.get("kind") == "skip":
             continue
+        names = [str(n) for n in e.get("layers", [])]
+        shown_layers = ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])}, ... ({len(names)} layers)"
         rows.append((int(e.get("step", 0)),
             f"<tr><td>{escape(str(e.get('step')))}</td><td>{escape(str(e.get('kind')))}</td>"
-            f"<td class='fqn'>{escape(', '.join(map(str, e.get('layers', []))))}</td>"
+            f"<td class='layers'>{escape(shown_layers)}</td>"
             f"<td>{escape(str(e.get('reason') or ''))}</td></tr>"))
-    if skip_events:  # skips can be many: one summary row, at the first one
+    if skip_events:  # skips can be many: one summary row, at the first one (before a rollback of the same step)
         shown = ", ".join(str(e.get("step")) for e in skip_events[:30]) + (" ..." if len(skip_events) > 30 else "")
-        rows.append((int(skip_events[0].get("step", 0)),
+        rows.append((int(skip_events[0].get("step", 0)) - 0.5,
             f"<tr><td>{escape(shown)}</td><td>skip &times;{len(skip_events)}</td><td></td>"
             f"<td>{escape(str(skip_events[-1].get('reason') or ''))} (latest)</td></tr>"))
     if rows:
@@ -190,6 +194,7 @@ def render_report(history: RunHistory, title: Optional[str] = None) -> str:
 
     # per layer
     html.append("<h2>Scales, amax and SQNR per layer</h2>")
+    html.append("<p class='note'>Layers moved to BF16 during training first, then the others in model order.</p>")
     html.append(
         "<div class='legend'>"
         + "".join(f"<span><i style='background:{c}'></i>{r}</span>" for r, c in ROLE_COLOURS.items())
@@ -198,7 +203,7 @@ def render_report(history: RunHistory, title: Optional[str] = None) -> str:
         + f"<span><i style='background:{EVENT_STYLE['retry'][0]}'></i>retry</span></div>"
     )
     precision_of: Dict[str, Dict[str, str]] = {row["fqn"]: row for row in pmap}
-    for fqn in layers:
+    for fqn in sorted(layers, key=lambda f: f not in moved):  # stable: model order within each group
         row = precision_of.get(fqn, {})
         prec = row.get("precision", "fp8")
         badge = (
