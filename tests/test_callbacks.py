@@ -363,3 +363,63 @@ def test_fallback_arguments_are_validated():
         FP8LayerFallback(retry_after_steps=0)
     with pytest.raises(ValueError, match="log_every_n_steps"):
         FP8ScaleMonitor(log_every_n_steps=0)
+
+
+DDP_SCRIPT = '''
+import json, sys, warnings
+import torch
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+from torch.utils.data import DataLoader
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from helpers import regression_data, trainer
+from test_callbacks import Deep, _HookAt
+from lightning_fp8 import FP8Precision, precision_map
+from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
+
+out = sys.argv[1]
+torch.manual_seed(0)
+model = Deep()
+now = {{}}
+
+class Step(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now.update(step=trainer.global_step, rank=trainer.global_rank)
+
+def spike(module, args):  # an activation spike into net.4 on rank 0 only
+    if now.get("rank") == 0 and now["step"] == 3:
+        return (args[0] * 1e6,)
+
+fallback = FP8LayerFallback(check_every_n_steps=1)
+t = trainer(plugins=[FP8Precision()], strategy="ddp", devices=2, max_steps=10, max_epochs=-1,
+            logger=CSVLogger(out, name="ddp"),
+            callbacks=[Step(), _HookAt("net.4", spike), FP8Calibration(num_batches=2), FP8ScaleMonitor(log_every_n_steps=2), fallback])
+t.fit(model, DataLoader(regression_data(512), batch_size=16, shuffle=False))
+result = {{"map": [[r.fqn, r.precision] for r in precision_map(model)], "events": [[e["kind"], e["layers"], e["step"]] for e in fallback.events],
+          "scale": model.net[2].fp8_meta.input.scale.item()}}
+json.dump(result, open(f"{{out}}/rank{{t.global_rank}}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_ranks_make_the_same_decision(tmp_path):
+    """2 CPU processes (gloo): a spike on rank 0 only; both ranks move the same layer at the same step (one flag
+    all-reduce per step), calibration syncs its amaxes, and only rank 0 writes the history file."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "ddp_fallback.py"
+    script.write_text(DDP_SCRIPT.format(tests=tests))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    assert [e[:2] for e in r0["events"]] == [["fallback", ["net.4"]]]
+    assert ["net.4", "bf16"] in r0["map"]
+    lines = (tmp_path / "ddp" / "version_0" / "fp8_history.jsonl").read_text().splitlines()
+    assert sum(json.loads(line)["type"] == "run" for line in lines) == 1
