@@ -41,6 +41,16 @@ FP16_REL, FP16_SUB = 2.0**-11, 2.0**-25
 SCALE_SLACK = 2.0**-22
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are small: with 2 OpenMP threads on a busy 2-core machine, waking the second thread for an
+    8k-element op measured 3-10 ms instead of 5 us. One thread keeps the file fast; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _block_error_bound(x: torch.Tensor, block: int, rel: float, sub: float, fmax: float) -> torch.Tensor:
     """Per-element bound on |x - dequant(quant(x))| for blockwise round-to-nearest (see module docstring)."""
     flat = x.reshape(-1).double()
@@ -306,9 +316,10 @@ def test_low_precision_master_weights_keep_small_updates(master):
     """lr * update = 1e-4 per step is 1/39 (bf16) or 1/5 (fp16) of the spacing below 1.0: round-to-nearest
     loses every update, stochastic rounding keeps them on average.
 
-    A constant gradient makes Adam's update exactly 1 (m_hat = g, v_hat = g^2), so after 400 steps the
-    expected weight is 1 - 400 * 1e-4 = 0.96. The SR noise of one element is at most sqrt(400)/2 spacings
-    (<= 0.04 for bf16), so the mean over 8192 + 64 elements is within 0.0005 (1 sd); tolerance 0.004.
+    A constant gradient makes Adam's update exactly 1 (m_hat = g, v_hat = g^2), so after 200 steps the
+    expected weight is 1 - 200 * 1e-4 = 0.98. The SR noise of one element is at most sqrt(200)/2 spacings
+    (<= 0.028 for bf16), so the mean over 8192 elements is within 0.0003 (1 sd); tolerance 0.004. The 64-element
+    bias has 11x that noise; tolerance 0.02.
     """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[master]
     means = {}
@@ -317,15 +328,15 @@ def test_low_precision_master_weights_keep_small_updates(master):
         b = nn.Parameter(torch.ones(64, dtype=dtype))  # float32-state path
         # master_weights="fp32" on low-precision parameters writes them with round-to-nearest (like torch)
         opt = FP8AdamW([w, b], lr=1e-4, weight_decay=0.0, master_weights=master if mode == "sr" else "fp32")
-        for _ in range(400):
+        for _ in range(200):
             w.grad = torch.ones_like(w)
             b.grad = torch.ones_like(b)
             opt.step()
         assert w.dtype == dtype
         means[mode] = (float(w.detach().float().mean()), float(b.detach().float().mean()))
     assert means["nearest"] == (1.0, 1.0)
-    assert means["sr"][0] == pytest.approx(0.96, abs=0.004)
-    assert means["sr"][1] == pytest.approx(0.96, abs=0.02)  # 64 elements: 8x the noise of the mean
+    assert means["sr"][0] == pytest.approx(0.98, abs=0.004)
+    assert means["sr"][1] == pytest.approx(0.98, abs=0.02)
 
 
 def test_low_precision_master_casts_parameters():
