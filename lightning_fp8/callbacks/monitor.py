@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 
