@@ -31,15 +31,20 @@ def current_state() -> AutocastState:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: Optional[FP8Recipe] = None, calibrating: bool = False) -> Iterator[None]:
-    """Turn the FP8 path of converted layers on (default) or off inside the block."""
+def fp8_autocast(
+    enabled: bool = True, recipe: Optional[FP8Recipe] = None, calibrating: Optional[bool] = None
+) -> Iterator[None]:
+    """Turn the FP8 path of converted layers on (default) or off inside the block.
+
+    `recipe` and `calibrating` are inherited from an enclosing block unless given, so a plugin's step context
+    nested in a calibration region does not cancel the calibration."""
     if recipe is not None and not isinstance(recipe, FP8Recipe):
         raise TypeError(f"fp8_autocast(recipe=...) expects an FP8Recipe, got {type(recipe).__name__}")
     previous = current_state()
     _local.state = AutocastState(
         enabled=bool(enabled),
         recipe=recipe if recipe is not None else previous.recipe,
-        calibrating=bool(calibrating),
+        calibrating=previous.calibrating if calibrating is None else bool(calibrating),
     )
     try:
         yield

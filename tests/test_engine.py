@@ -98,3 +98,12 @@ def test_engine_state_dict_round_trip():
     other.load_state_dict(engine.state_dict())
     assert other.state_dict() == engine.state_dict()
     assert other.loss_scale == 128.0
+
+
+def test_rollback_restores_the_precision_switch():
+    engine, model, opt = _engine_and_model(max_consecutive_skips=1)
+    _step(engine, model, opt)  # snapshot of the first step: layer 1 in FP8
+    model[1].fp8_enabled = False  # e.g. a fallback decided after the snapshot
+    result = _step(engine, model, opt, poison=True)
+    assert result.rolled_back
+    assert model[1].fp8_enabled is True and bool(model[1].fp8_meta.enabled)  # flag and buffer agree

@@ -176,3 +176,16 @@ def test_from_linear_reuses_parameters():
     linear = nn.Linear(32, 16)
     layer = FP8Linear.from_linear(linear)
     assert layer.weight is linear.weight and layer.bias is linear.bias
+
+
+def test_calibration_observes_amax_without_counting_clips_and_survives_nesting():
+    layer = FP8Linear(32, 16)
+    x = torch.randn(8, 32) * 1000  # far beyond 448 at the initial scale of 1, but nothing is cast
+    with fp8_autocast(calibrating=True), fp8_autocast(enabled=True):  # a nested step context keeps calibrating
+        y = layer(x)
+    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))  # high precision while calibrating
+    state = layer.fp8_meta.input
+    assert state.amax_history[0].item() == x.abs().max().item()
+    assert state.clip_count.item() == 0 and state.overflow_count.item() == 0
+    layer.reset_fp8_state()
+    assert state.amax_history.abs().sum() == 0 and not state.initialized

@@ -69,11 +69,7 @@ Key = Tuple[str, str]  # (layer fqn, role)
 def reset_scaling_state(layer: FP8Linear) -> None:
     """Forget a layer's amax histories so its next FP8 step starts with current scaling (used when retrying a
     layer in FP8 after a fallback: its old scales may be stale)."""
-    with torch.no_grad():
-        for state in layer.fp8_meta.states().values():
-            state.amax_history.zero_()
-            state.initialized.fill_(False)
-            state.pending_update = False
+    layer.reset_fp8_state()
 
 
 class FP8LayerFallback(StatsConsumer, Callback):

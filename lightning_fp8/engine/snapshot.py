@@ -35,6 +35,10 @@ class Snapshot:
         live = model.state_dict()
         for key, value in self.model_state.items():
             live[key].copy_(value)
+        for module in model.modules():  # buffers written in place: python-side mirrors must follow
+            sync = getattr(module, "sync_precision_flag", None)
+            if callable(sync):
+                sync()
         for opt, state in zip(optimizers, self.optimizer_states):
             opt.load_state_dict(copy.deepcopy(state))
         return copy.deepcopy(self.extra)

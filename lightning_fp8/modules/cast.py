@@ -45,7 +45,7 @@ def scaled_cast(
         return out.reshape(x.shape), scale
     fmt = recipe.format_for(role)
     amax = tensor_amax(x)
-    scale = _scale(x, amax, state, recipe, role, record, fmt)
+    scale = cast_scale(x, amax, state, recipe, role, record, fmt)
     if record:
         state.record(amax, scale, fmt, recipe.scaling)
     x_fp8 = quantize(x, scale, fmt, rounding=recipe.rounding_for(role), generator=generator)
@@ -104,7 +104,9 @@ def cast_to_fp8(
 
 
 # -- shared pieces ------------------------------------------------------------------------------------------------
-def _scale(x, amax, state: ScalingState, recipe: FP8Recipe, role: str, record: bool, fmt: FP8Format) -> torch.Tensor:
+def cast_scale(x, amax, state: ScalingState, recipe: FP8Recipe, role: str, record: bool, fmt: FP8Format) -> torch.Tensor:
+    """The scale a cast of `x` (amax `amax`) uses under the recipe: 1 for unscaled roles, the state's rule otherwise
+    (current scaling outside training). Observers call it to see what the cast saw."""
     if not recipe.uses_scaling_for(role):
         return torch.ones((), dtype=torch.float32, device=x.device)
     scaling = recipe.scaling if record else "current"
@@ -167,4 +169,4 @@ def _scaled_cast_fused(x2d, state, recipe, role, record, generator, write_row: b
     return out, None, scale
 
 
-__all__ = ["scaled_cast", "scaled_cast_transpose", "cast_to_fp8"]
+__all__ = ["scaled_cast", "scaled_cast_transpose", "cast_to_fp8", "cast_scale"]

@@ -202,9 +202,19 @@ class FP8Linear(nn.Linear):
 
     @torch.no_grad()
     def _record_calibration(self, x: torch.Tensor, recipe: FP8Recipe) -> None:
-        for role, tensor in (("input", x), ("weight", self.weight)):
-            state = getattr(self.fp8_meta, role)
-            state.record(tensor_amax(tensor), state.scale, recipe.format_for(role), recipe.scaling)
+        # nothing is cast while calibrating: only the amaxes are observed (no clip or overflow is counted)
+        self.fp8_meta.input.observe_amax(tensor_amax(x))
+        self.fp8_meta.weight.observe_amax(tensor_amax(self.weight))
+
+    def reset_fp8_state(self) -> None:
+        """Forget every role's scale and amax history (e.g. before retrying FP8 after a fallback: old scales may be
+        stale); the next training step starts with current scaling."""
+        for state in self.fp8_meta.states().values():
+            state.reset()
+
+    def sync_precision_flag(self) -> None:
+        """Re-read the precision switch from its buffer after the buffer was written in place (a rollback)."""
+        self._fp8_enabled = bool(self.fp8_meta.enabled)
 
     def extra_repr(self) -> str:
         precision = "fp8" if self._fp8_enabled else f"bf16 ({self.fp8_disabled_reason or 'disabled'})"
@@ -212,4 +222,4 @@ class FP8Linear(nn.Linear):
 
 
 def _sync_enabled_flag_after_load(module: FP8Linear, incompatible_keys) -> None:
-    module._fp8_enabled = bool(module.fp8_meta.enabled)
+    module.sync_precision_flag()

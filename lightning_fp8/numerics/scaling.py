@@ -95,11 +95,25 @@ class ScalingState(nn.Module):
         finite = torch.isfinite(amax)
         self.overflow_count += (~finite).to(torch.int64)
         self.clip_count += (finite & (amax * used_scale > fmt.max)).to(torch.int64)
-        slot0 = torch.where(finite, torch.maximum(self.amax_history[0], amax), self.amax_history[0])
-        self.amax_history[0] = slot0
+        self.observe_amax(amax)
         if scaling == "current":
             self.scale.copy_(used_scale)
+
+    @torch.no_grad()
+    def observe_amax(self, amax: torch.Tensor) -> None:
+        """Accumulate a finite amax into slot 0 without a cast (what calibration does); inf/NaN are not recorded."""
+        finite = torch.isfinite(amax)
+        self.amax_history[0] = torch.where(finite, torch.maximum(self.amax_history[0], amax), self.amax_history[0])
         self.pending_update = True
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Forget the amax history and the scale (counters are kept: they are the layer's record). The next cast
+        uses current scaling, as a fresh state does."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+        self.initialized.fill_(False)
+        self.pending_update = False
 
     @torch.no_grad()
     def update(self, fmt: FP8Format, scaling: str, algo: str, margin: int, power_of_2: bool, scaled: bool = True) -> None:
