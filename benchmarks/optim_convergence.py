@@ -20,6 +20,8 @@ Variants:
                             torch.optim.AdamW does to bf16 parameters); shows what stochastic rounding buys
   ablation_fp8_sqrtv_sr     ablation: fp8_sqrtv with sqrt(v) stochastically rounded instead of to nearest
                             (lightning_fp8.optim.state.FP8_SQRT_V_ROUNDING, not an FP8AdamW option)
+  ablation_adamw_lr_x0.9    ablation: torch AdamW with 0.9x the LR, to compare with an optimizer whose update
+                            denominator is biased ~10% high (fp8_sqrtv)
 
 Usage: python benchmarks/optim_convergence.py [--steps 800] [--seeds 0 1 2] [--variants ...] [--reuse earlier.json]
 Writes benchmarks/results/optim_convergence.json and .md.
@@ -125,6 +127,8 @@ def make_optimizer(variant: str, model: nn.Module, lr: float, wd: float, betas) 
         return FP8AdamW(model.parameters(), **common)
     if variant == "fp8_sqrtv":
         return FP8AdamW(model.parameters(), exp_avg_sq_dtype="fp8", **common)
+    if variant == "ablation_adamw_lr_x0.9":
+        return torch.optim.AdamW(model.parameters(), foreach=False, **dict(common, lr=lr * 0.9))
     if variant == "ablation_fp8_sqrtv_sr":
         opt_state.FP8_SQRT_V_ROUNDING = "stochastic"  # reset by run()
         return FP8AdamW(model.parameters(), exp_avg_sq_dtype="fp8", **common)
@@ -138,7 +142,8 @@ def make_optimizer(variant: str, model: nn.Module, lr: float, wd: float, betas) 
     raise ValueError(f"unknown variant {variant!r}; valid: {VARIANTS}")
 
 
-VARIANTS = ["adamw", "fp8", "fp8_sqrtv", "fp8_bf16v", "fp8_bf16master", "bf16params_nearest", "ablation_fp8_sqrtv_sr"]
+VARIANTS = ["adamw", "fp8", "fp8_sqrtv", "fp8_bf16v", "fp8_bf16master", "bf16params_nearest", "ablation_fp8_sqrtv_sr",
+            "ablation_adamw_lr_x0.9"]
 
 
 def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
