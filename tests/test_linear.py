@@ -189,3 +189,14 @@ def test_calibration_observes_amax_without_counting_clips_and_survives_nesting()
     assert state.clip_count.item() == 0 and state.overflow_count.item() == 0
     layer.reset_fp8_state()
     assert state.amax_history.abs().sum() == 0 and not state.initialized
+
+
+def test_frozen_weight_still_gets_input_gradient_and_saves_less():
+    layer = FP8Linear(64, 32)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(16, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and layer.weight.grad is None
+    # no transposed copy of x is kept when no weight gradient will be computed
+    x3 = torch.randn(4, 64, 64, requires_grad=True)
+    assert _saved_bytes(layer, x3) < _saved_bytes(FP8Linear(64, 32), x3)

@@ -55,8 +55,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         out_dtype = _output_dtype(x)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
-        # one read of x gives both layouts: row-major for this GEMM, transposed for the wgrad GEMM in backward
-        x_fp8, x_fp8_t, x_scale = scaled_cast_transpose(x2d, meta.input, recipe, "input", record)
+        needs_wgrad = ctx.needs_input_grad[1]
+        if needs_wgrad:
+            # one read of x gives both layouts: row-major for this GEMM, transposed for the wgrad GEMM in backward
+            x_fp8, x_fp8_t, x_scale = scaled_cast_transpose(x2d, meta.input, recipe, "input", record)
+        else:  # evaluation or a frozen weight: no wgrad GEMM, no transposed copy to make or keep
+            (x_fp8, x_scale), x_fp8_t = scaled_cast(x2d, meta.input, recipe, "input", record), None
         w_fp8, w_scale = scaled_cast(weight, meta.weight, recipe, "weight", record)
         with torch.autocast(x.device.type, enabled=False):
             out = fp8_gemm(
@@ -70,7 +74,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 backend=recipe.backend,
             )
         # x in FP8 (1 byte/element, in the layout wgrad wants) + two scalars; `weight` is the Parameter, not a copy
-        ctx.save_for_backward(x_fp8_t, x_scale, weight, w_scale)
+        if any(ctx.needs_input_grad):
+            ctx.save_for_backward(x_fp8_t, x_scale, weight, w_scale)
         ctx.meta = meta
         ctx.recipe = recipe
         ctx.record = record
