@@ -205,8 +205,9 @@ def test_several_steps_track_adamw_on_least_squares(exp_avg_sq_dtype):
 
     Analysis: each update's error is about beta1 * 3.6% (E4M3 rms) of the stored momentum, i.e. ~3% of the
     update, mostly independent from step to step; the fp16/bf16 second moment adds well under 1%. The
-    tolerance is 3x that estimate. fp8 (sqrt(v) in E4M3) adds up to 6.25% per element to the denominator;
-    it gets the same tolerance.
+    tolerance is 3x that estimate (measured: 2.7%). fp8 (sqrt(v) in E4M3, stochastic rounding) adds an unbiased
+    error of up to one spacing (12.5%, ~3-4% rms) to the denominator, ~5% together; the same 10% tolerance is
+    2x that (measured: 6.6%).
     """
     torch.manual_seed(0)
     x, w_true = torch.randn(256, 128), torch.randn(128, 64)
@@ -560,25 +561,36 @@ def _run_on(device, kwargs, steps=5, shape=(300, 129)):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_reference_agrees_with_cpu(kwargs):
     """Same reference on both devices; only float32 rounding of fused elementwise ops may differ (CUDA's
-    kernels contract multiply-adds), which moves a stored code by one step rarely; SR noise differs per
-    device generator, so low-precision master weights compare statistically (one bf16 spacing)."""
+    kernels contract multiply-adds), which moves a stored code by one step rarely. Stochastic rounding draws
+    different noise on each device's generator: there each of the 5 updates (lr 1e-2) may differ by the
+    second moment's rounding (up to one E4M3 spacing of sqrt(v), 12.5%), plus one bf16 spacing of the weight
+    for bf16 master weights."""
     w_cpu, _, opt_cpu = _run_on("cpu", kwargs)
     w_gpu, _, opt_gpu = _run_on("cuda", kwargs)
-    tol = 2.0**-7 if "master_weights" in kwargs else 1e-5
-    assert torch.allclose(w_gpu.detach().float().cpu(), w_cpu.detach().float(), rtol=tol, atol=1e-6)
-    if "master_weights" not in kwargs and kwargs.get("exp_avg_sq_dtype") != "bf16":
-        assert _codes_close(opt_gpu.state[w_gpu]["exp_avg"].cpu(), opt_cpu.state[w_cpu]["exp_avg"]) > 0.99
+    a, b = w_gpu.detach().float().cpu(), w_cpu.detach().float()
+    if kwargs == {}:  # deterministic: fp16 v, fp32 master
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        bound = 5 * 1e-2 * 0.125 + (2.0**-7 * b.abs() if "master_weights" in kwargs else 0.0)
+        assert ((a - b).abs() <= bound + 1e-6).all()
+    assert _codes_close(opt_gpu.state[w_gpu]["exp_avg"].cpu(), opt_cpu.state[w_cpu]["exp_avg"]) > (
+        0.99 if kwargs == {} else 0.5)
 
 
 @pytest.mark.parametrize("exp_avg_sq_dtype", ["fp16", "fp8"])
 @pytest.mark.parametrize("decoupled, maximize", [(True, False), (False, True)])
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA or importlib.util.find_spec("triton") is None, reason="needs CUDA and triton")
-def test_triton_kernel_matches_reference(exp_avg_sq_dtype, decoupled, maximize):
+def test_triton_kernel_matches_reference(exp_avg_sq_dtype, decoupled, maximize, monkeypatch):
     """The fused kernel against the torch reference on the same GPU. Same formula and order; the kernel may
     contract a multiply-add differently, so parameters agree to float32 rounding (rtol 1e-5 after 5 steps) and
     at least 99% of the stored moment codes are identical (a code flips only when the float32 value sits
     within an ulp of a rounding midpoint). Numel 38700 is not a multiple of the block (masked tail)."""
+    from lightning_fp8.optim import state as opt_state
+
+    # the kernel rounds sqrt(v) to nearest; FP8AdamW's fp8 second moment is stochastic (reference-only), so the
+    # kernel's fp8 path is compared under the module's ablation switch
+    monkeypatch.setattr(opt_state, "FP8_SQRT_V_ROUNDING", "nearest")
     kw = dict(exp_avg_sq_dtype=exp_avg_sq_dtype, decoupled_weight_decay=decoupled, maximize=maximize, weight_decay=0.1)
     w_ref, b_ref, opt_ref = _run_on("cuda", kw)
     w_tri, b_tri, opt_tri = _run_on("cuda", dict(kw, backend="triton"))

@@ -6,9 +6,10 @@ re-quantizes the moments with the block's new amax, which it has in registers, s
 The torch reference (reference.py) is the definition; this kernel must match it up to float32 rounding of the
 fused multiply-adds (which can move a stored FP8 code by one step now and then).
 
-Covered: float32 parameters (master_weights="fp32"), exp_avg_sq_dtype "fp16" or "fp8", block_size a power of two
-<= 8192, contiguous tensors. Everything else (bf16 second moment and low-precision master weights, which need
-stochastic rounding from the seeded torch generator; CPU tensors) falls back to the torch reference per
+Covered: float32 parameters (master_weights="fp32"), exp_avg_sq_dtype "fp16" (and "fp8" with the ablation
+switch state.FP8_SQRT_V_ROUNDING = "nearest"; the kernel rounds sqrt(v) to nearest), block_size a power of two
+<= 8192, contiguous tensors. Everything else (stochastically rounded second moments and low-precision master
+weights, which draw from the seeded torch generator; CPU tensors) falls back to the torch reference per
 parameter, so the two backends produce the same results wherever they both apply.
 
 Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from lightning_fp8.numerics.formats import E4M3
+from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
 
 
@@ -95,7 +97,8 @@ def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) 
         and param.grad is not None
         and param.grad.is_contiguous()
         and group["master_weights"] == "fp32"
-        and group["exp_avg_sq_dtype"] in ("fp16", "fp8")
+        and (group["exp_avg_sq_dtype"] == "fp16"
+             or (group["exp_avg_sq_dtype"] == "fp8" and _state.FP8_SQRT_V_ROUNDING == "nearest"))
         and "exp_avg_scale_inv" in state
         and bs & (bs - 1) == 0
         and bs <= 8192
