@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 from itertools import chain
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_fp8.optim.reference import adamw_step_
 from lightning_fp8.optim import state as _state
+from lightning_fp8.optim.reference import adamw_step_
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
 from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
 
@@ -42,7 +42,7 @@ class FP8AdamW(Optimizer):
         params, lr, betas, eps, weight_decay, maximize: as torch.optim.AdamW; per-group values are honoured.
         amsgrad: must be False (no compressed max-of-v state is implemented); True raises ValueError.
         exp_avg_sq_dtype: "fp16" (default; per-block scaled float16), "bf16" (stochastic rounding, no scale) or
-            "fp8" (sqrt(v) in E4M3 with per-block scales).
+            "fp8" (sqrt(v) in E4M3 with per-block scales, stochastic rounding).
         master_weights: "fp32" (default: the parameter is the master and stays as it is), "bf16" or "fp16":
             parameters are cast to that dtype in place and updated with stochastic rounding.
         block_size: elements per quantization block of the flattened moments (default 128).

@@ -35,7 +35,7 @@ def adamw_step_(
 ) -> None:
     """One AdamW step of `param` (in place) and its `state` (in place).
 
-    `generator` draws the stochastic rounding noise (bf16/fp16 master weights, bf16 second moment); it must be
+    `generator` draws the stochastic rounding noise (bf16/fp16 master weights, bf16 and fp8 second moments); it must be
     given whenever one of those is in use.
     """
     lr = _as_float(group["lr"])
