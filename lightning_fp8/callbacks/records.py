@@ -53,16 +53,6 @@ def fp8_engine(trainer) -> Optional[Any]:
     return getattr(plugin, "engine", None)
 
 
-def layer_fqn(name: str, layers: Dict[str, FP8Linear]) -> Optional[str]:
-    """Map an engine layer name (which may carry a wrapper prefix such as "module.") to a key of `layers`."""
-    if name in layers:
-        return name
-    for prefix in ("module.", "_forward_module.", "_orig_mod."):
-        if name.startswith(prefix) and name[len(prefix):] in layers:
-            return name[len(prefix):]
-    return None
-
-
 def json_safe(value: Any) -> Any:
     """Non-finite floats become the strings "nan" / "inf" / "-inf" (strict JSON; `float()` reads them back)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -133,10 +123,6 @@ class LayerStatsSampler:
         self._aggregates: Dict[Tuple[str, str], QuantStatsMetric] = {}
         self._calls: Dict[Tuple[str, str], int] = {}
         self._installed: Dict[str, Tuple[FP8Linear, Optional[Callable]]] = {}
-
-    @property
-    def active(self) -> bool:
-        return bool(self._installed)
 
     def start(self, layers: Dict[str, FP8Linear]) -> None:
         self.stop_observing()

@@ -42,21 +42,3 @@ class Snapshot:
         for opt, state in zip(optimizers, self.optimizer_states):
             opt.load_state_dict(copy.deepcopy(state))
         return copy.deepcopy(self.extra)
-
-    def nbytes(self) -> int:
-        total = 0
-
-        def count(obj):
-            nonlocal total
-            if isinstance(obj, torch.Tensor):
-                total += obj.numel() * obj.element_size()
-            elif isinstance(obj, dict):
-                for v in obj.values():
-                    count(v)
-            elif isinstance(obj, (list, tuple)):
-                for v in obj:
-                    count(v)
-
-        count(self.model_state)
-        count(self.optimizer_states)
-        return total
