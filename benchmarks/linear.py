@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
-from lightning_fp8.gemm import FP8EmulationWarning  # noqa: E402
+from lightning_fp8.modules.gemm import FP8EmulationWarning  # noqa: E402
 
 FULL_SHAPES = [
     (16384, 4096, 14336),

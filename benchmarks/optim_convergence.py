@@ -159,7 +159,6 @@ def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, starts: torch.Tensor, ctx: int, batch: int) -> float:
     model.eval()
-    dtype = next(model.parameters()).dtype
     losses = []
     for i in range(0, len(starts), batch):
         x, y = get_batch(data, starts[i : i + batch], ctx)

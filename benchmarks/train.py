@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 import sysconfig
@@ -35,7 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_fp8 import convert_to_fp8  # noqa: E402
-from lightning_fp8.gemm import FP8EmulationWarning  # noqa: E402
+from lightning_fp8.modules.gemm import FP8EmulationWarning  # noqa: E402
 
 MODELS = {
     # d_model, n_layer, n_head, seq_len, batch: ~1.0e9 params (12 * L * d^2 = 12 * 20 * 2048^2)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs
-from lightning_fp8.convert import precision_map
+from lightning_fp8.conversion.convert import precision_map
 from lightning_fp8.demo.data import fixed_val_batches, load_corpus
 from lightning_fp8.demo.gpt import GPT, GPTConfig
 

@@ -3,7 +3,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_fp8.gemm import FP8EmulationWarning
+from lightning_fp8.modules.gemm import FP8EmulationWarning
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import RegressionModule, loader, mlp, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, precision_map
 from lightning_fp8.accelerate import FP8Accelerator, FP8AcceleratedOptimizer, FP8Kwargs
-from lightning_fp8.autocast import current_state
-from lightning_fp8.plugin_core import FP8PrecisionCore
+from lightning_fp8.modules.autocast import current_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -147,11 +146,15 @@ def test_fp8_kwargs_without_fp8_are_ignored_with_a_warning():
 
 # -- options --------------------------------------------------------------------------------------------------------
 def test_fp8_kwargs_defaults_are_the_plugin_defaults():
-    core_defaults = {
-        name: p.default for name, p in inspect.signature(FP8PrecisionCore.__init__).parameters.items() if name != "self"
-    }
+    from lightning_fp8 import FP8Precision
+    from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+
     kwargs_defaults = {name: value for name, value in vars(FP8Kwargs()).items()}
-    assert kwargs_defaults == core_defaults
+    for plugin in (FP8Precision, FabricFP8Precision):
+        plugin_defaults = {
+            name: p.default for name, p in inspect.signature(plugin.__init__).parameters.items() if name != "self"
+        }
+        assert plugin_defaults == kwargs_defaults, plugin
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe
-from lightning_fp8.autocast import current_state
+from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.callbacks import FP8Calibration
 from lightning_fp8.numerics import E4M3, scale_from_amax
 

@@ -1,6 +1,5 @@
 """Fault injection: each fault at a random step; training must finish with finite weights, counters that say what
 happened, and a final validation loss within 1% of the clean run. Repeated faults must end in a clear error."""
-import math
 import random
 
 import pytest

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8.gemm import FP8EmulationWarning, _scaled_mm_applies, _scaled_mm_gemm, emulated_gemm, fp8_gemm
+from lightning_fp8.modules.gemm import FP8EmulationWarning, _scaled_mm_applies, _scaled_mm_gemm, emulated_gemm, fp8_gemm
 
 HAS_CUDA = torch.cuda.is_available()
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -126,7 +126,7 @@ def test_scaled_mm_path_pads_and_fixes_layouts(m, k, n, out_dtype, with_bias):
 def test_e5m2_times_e5m2_is_emulated():
     a, b = _fp8((16, 16), E5, 1), _fp8((16, 16), E5, 2)
     with pytest.warns(FP8EmulationWarning, match="two e5m2"):
-        import lightning_fp8.gemm as gemm
+        import lightning_fp8.modules.gemm as gemm
 
         gemm._warned_e5m2 = False
         assert not _scaled_mm_applies(a, b)
@@ -266,7 +266,7 @@ def test_proposed_structure_compiles_fullgraph_and_matches_eager():
 # Transformer Engine backend (TE is not installed here: error paths, and the recipe mapping on a stand-in)
 # ------------------------------------------------------------------------------------------------------------------
 def test_te_backend_clear_error_without_te():
-    from lightning_fp8 import te_backend
+    from lightning_fp8.backends import transformer_engine as te_backend
 
     if te_backend.te_available():
         pytest.skip("Transformer Engine is installed")
@@ -329,7 +329,7 @@ def fake_te(monkeypatch):
 
 
 def test_te_recipe_mapping_and_autocast(fake_te):
-    from lightning_fp8 import te_backend
+    from lightning_fp8.backends import transformer_engine as te_backend
 
     r = te_backend.te_recipe(FP8Recipe(margin=1, amax_history_len=8, amax_compute_algo="most_recent"))
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
@@ -358,7 +358,7 @@ def test_te_recipe_mapping_and_autocast(fake_te):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_cuda_scaled_mm_vs_emulation(m, k, n, da, db, out_dtype, with_bias, fast_accum):
-    from lightning_fp8.gemm import scaled_mm_supported
+    from lightning_fp8.modules.gemm import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):
         pytest.skip("GPU without FP8 tensor cores")

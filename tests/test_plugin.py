@@ -1,5 +1,4 @@
 """FP8Precision with a real Lightning Trainer on CPU."""
-import math
 
 import pytest
 import torch
@@ -47,7 +46,7 @@ def test_eval_can_run_in_bf16():
     t = trainer(plugins=[plugin], max_steps=2)
     t.fit(model, loader())
     with plugin.val_step_context():
-        from lightning_fp8.autocast import current_state
+        from lightning_fp8.modules.autocast import current_state
 
         assert current_state().enabled is False
     with plugin.train_step_context():
@@ -174,7 +173,7 @@ def test_precision_flag_together_with_plugin_is_rejected():
 def test_emulation_notice_on_cpu():
     import warnings
 
-    from lightning_fp8 import gemm
+    from lightning_fp8.modules import gemm
 
     gemm._warned_devices.clear()
     with warnings.catch_warnings(record=True) as caught:

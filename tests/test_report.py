@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Precision
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
-from lightning_fp8.report import main, render_report, write_report
+from lightning_fp8.report import main, write_report
 from lightning_fp8.report.history import load_history
 
 LAYERS = ["blocks.0.attn.qkv", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, convert_to_fp8
-from lightning_fp8.shape_filter import (
+from lightning_fp8.conversion.shape_filter import (
     EMULATED_REASON,
     GPUSpec,
     auto_filter,

@@ -55,7 +55,7 @@ from lightning_fp8.callbacks.records import (
     layer_counters,
     precision_rows,
 )
-from lightning_fp8.convert import fp8_layers
+from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE

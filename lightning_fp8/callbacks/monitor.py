@@ -35,7 +35,7 @@ from lightning_fp8.callbacks.records import (
     layer_counters,
     precision_rows,
 )
-from lightning_fp8.convert import fp8_layers
+from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
 from lightning_fp8.recipe import ROLES
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_fp8.autocast import current_state
-from lightning_fp8.convert import fp8_layers, precision_map
+from lightning_fp8.modules.autocast import current_state
+from lightning_fp8.conversion.convert import fp8_layers, precision_map
 from lightning_fp8.modules.cast import cast_scale as _cast_scale  # the cast's own scale rule (delayed / current / none)
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.numerics.quantize import tensor_amax

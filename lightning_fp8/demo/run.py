@@ -12,11 +12,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_fp8.convert import precision_map
+from lightning_fp8.conversion.convert import precision_map
 from lightning_fp8.demo.data import CharCorpus, batches, fixed_val_batches, load_corpus
 from lightning_fp8.demo.gpt import GPTConfig
 from lightning_fp8.demo.module import CharGPTModule
-from lightning_fp8.gemm import FP8EmulationWarning
+from lightning_fp8.modules.gemm import FP8EmulationWarning
 
 
 class _Batches(IterableDataset):
@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size}"
           f" ({args.data or 'CPython standard library'})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from lightning_fp8.gemm import scaled_mm_supported
+    from lightning_fp8.modules.gemm import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device(device)):
         print(f"note: no FP8 tensor cores on {device}; FP8 GEMMs are emulated (real FP8 casts, float32 products)")

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from lightning_fp8.convert import fp8_layers
+from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine import clipping
 from lightning_fp8.engine.distributed import all_reduce_max_
-from lightning_fp8.engine.loss_scaler import LossScaler, LossScaling, resolve_loss_scaling
+from lightning_fp8.engine.config import StabilityConfig
+from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.snapshot import Snapshot
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.recipe import ROLES, FP8Recipe
@@ -37,41 +38,6 @@ log = logging.getLogger("lightning_fp8")
 
 class FP8DivergenceError(RuntimeError):
     """Training kept diverging after the allowed number of rollbacks."""
-
-
-@dataclass(frozen=True)
-class StabilityConfig:
-    """The knobs of loss scaling, skipping and rollback (documented in docs/plugin.md).
-
-    loss_scaling: "auto" | "dynamic" | "none" | float (static scale).
-    snapshot_every: optimizer steps between snapshots of the last good state (host memory). Smaller loses fewer
-        good steps on a rollback and costs a device-to-host copy of the model and optimizer state more often.
-    max_consecutive_skips: this many skipped steps in a row trigger a rollback.
-    max_rollbacks / rollback_window: more than max_rollbacks rollbacks within rollback_window steps stop training.
-    spike_factor: roll back when the loss exceeds spike_factor x its running mean (None: off).
-    """
-
-    loss_scaling: LossScaling = "auto"
-    init_loss_scale: float = 2.0**8
-    growth_interval: int = 1000
-    snapshot_every: int = 50
-    max_consecutive_skips: int = 10
-    max_rollbacks: int = 3
-    rollback_window: int = 1000
-    spike_factor: Optional[float] = None
-    spike_window: int = 50
-    spike_warmup: int = 20
-    check_weights_every: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("snapshot_every", "max_consecutive_skips", "rollback_window", "spike_window", "check_weights_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
-            raise ValueError(f"max_rollbacks must be an int >= 0, got {self.max_rollbacks!r}")
-        if self.spike_factor is not None and not self.spike_factor > 1.0:
-            raise ValueError(f"spike_factor must be > 1 (or None to disable), got {self.spike_factor!r}")
 
 
 @dataclass

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.autocast import current_state
-from lightning_fp8.gemm import fp8_gemm
+from lightning_fp8.modules.autocast import current_state
+from lightning_fp8.modules.gemm import fp8_gemm
 from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast, scaled_cast_transpose
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.scaling import ScalingState

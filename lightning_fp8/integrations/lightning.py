@@ -6,7 +6,7 @@ live in lightning_fp8.engine.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -16,11 +16,17 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from lightning_fp8.plugin_core import FP8PrecisionCore, split_fp8_meta
+from lightning_fp8.conversion.filters import ModuleFilter
+from lightning_fp8.engine.loss_scaler import LossScaling
+from lightning_fp8.integrations._core import FP8PrecisionCore, split_fp8_meta
+from lightning_fp8.integrations._options import FP8Options, option_names
+from lightning_fp8.recipe import FP8Recipe
+
+_OPTION_NAMES = frozenset(option_names())
 
 
 class FP8Precision(FP8PrecisionCore, Precision):
-    """Train an unchanged LightningModule with its linear layers in FP8.
+    """Train an unchanged LightningModule with its linear layers in FP8: `Trainer(plugins=FP8Precision())`.
 
     Args:
         recipe: an FP8Recipe (formats, scaling, which layers); or
@@ -28,24 +34,49 @@ class FP8Precision(FP8PrecisionCore, Precision):
         module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
         loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
             Steps with non-finite gradients are skipped in every mode.
-        snapshot_every: optimizer steps between host-memory snapshots used for rollback.
+        init_loss_scale: the dynamic loss scaler's first scale.
+        growth_interval: clean steps in a row after which the dynamic loss scale doubles.
+        snapshot_every: optimizer steps between snapshots of the last good state, the rollback targets.
         max_consecutive_skips: skipped steps in a row that trigger a rollback.
         max_rollbacks: rollbacks allowed within `rollback_window` steps before training stops with an error.
+        rollback_window: the window (optimizer steps) `max_rollbacks` counts over.
         spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
+        spike_window: good steps the running mean of the loss covers.
+        spike_warmup: losses needed before the spike rule can fire.
+        check_weights_every: optimizer steps between checks that every weight is finite.
         optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (Adam/AdamW become FP8AdamW).
+        optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
         compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
         fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        FP8PrecisionCore.__init__(self, *args, **kwargs)
+    def __init__(
+        self,
+        recipe: Optional[FP8Recipe] = None,
+        *,
+        preset: Optional[str] = None,
+        module_filter: Optional[ModuleFilter] = None,
+        loss_scaling: LossScaling = "auto",
+        init_loss_scale: float = 2.0**8,
+        growth_interval: int = 1000,
+        snapshot_every: int = 50,
+        max_consecutive_skips: int = 10,
+        max_rollbacks: int = 3,
+        rollback_window: int = 1000,
+        spike_factor: Optional[float] = None,
+        spike_window: int = 50,
+        spike_warmup: int = 20,
+        check_weights_every: int = 1,
+        optimizer_state: str = "fp32",
+        optimizer_kwargs: Optional[Dict[str, Any]] = None,
+        compute_dtype: Union[str, torch.dtype] = "bf16",
+        fp8_eval: bool = True,
+    ) -> None:
+        self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
 
-    # -- contexts -----------------------------------------------------------------------------------------------
-    def forward_context(self):
-        return self._fp8_context(True)
-
+    # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
         with self._fp8_context(True):

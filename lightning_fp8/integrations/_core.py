@@ -1,77 +1,52 @@
-"""What the Lightning and Fabric precision plugins share: option validation, conversion, autocast, engine.
+"""What every FP8 adapter shares: conversion, the FP8 + autocast context, the engine, checkpoint state.
 
-The two plugin classes inherit this mixin next to their framework's Precision base and only translate hooks.
+The Lightning and Fabric plugins inherit this mixin next to their framework's Precision base and only translate
+hooks; the Accelerate adapter drives a bare instance (`FP8PrecisionCore.from_options`). Options are validated in
+`_options.py`.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 
-from lightning_fp8.autocast import fp8_autocast
-from lightning_fp8.convert import ModuleFilter, convert_to_fp8
-from lightning_fp8.engine.engine import FP8TrainingEngine, StabilityConfig
-from lightning_fp8.engine.loss_scaler import LossScaling
-from lightning_fp8.presets import get_preset
+from lightning_fp8.conversion.convert import convert_to_fp8
+from lightning_fp8.engine.engine import FP8TrainingEngine
+from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
+from lightning_fp8.modules.autocast import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
 
-OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_META_MARKER = ".fp8_meta."
 
 
 class FP8PrecisionCore:
-    """Options and shared behaviour of the FP8 precision plugins (see FP8Precision for the documentation)."""
+    """Shared behaviour of the FP8 adapters: conversion, the FP8 + autocast context, the engine, checkpoint state.
+
+    Built from an `FP8Options` (the adapters' constructors spell the options out and pass them on)."""
 
     precision = "fp8-mixed"
 
-    def __init__(
-        self,
-        recipe: Optional[FP8Recipe] = None,
-        preset: Optional[str] = None,
-        module_filter: Optional[ModuleFilter] = None,
-        loss_scaling: LossScaling = "auto",
-        snapshot_every: int = 50,
-        max_consecutive_skips: int = 10,
-        max_rollbacks: int = 3,
-        spike_factor: Optional[float] = None,
-        optimizer_state: str = "fp32",
-        compute_dtype: Union[str, torch.dtype] = "bf16",
-        fp8_eval: bool = True,
-        rollback_window: int = 1000,
-        init_loss_scale: float = 2.0**8,
-        optimizer_kwargs: Optional[Dict[str, Any]] = None,
-    ) -> None:
-        if recipe is not None and preset is not None:
-            raise ValueError("give FP8Precision either recipe= or preset=, not both (a preset is a named recipe)")
-        if recipe is not None and not isinstance(recipe, FP8Recipe):
-            raise TypeError(f"recipe must be an FP8Recipe, got {type(recipe).__name__}")
-        self.recipe = recipe if recipe is not None else get_preset(preset or "default")
-        self.preset = preset
-        self.module_filter = module_filter
-        if optimizer_state not in OPTIMIZER_STATE_CHOICES:
-            raise ValueError(f"optimizer_state={optimizer_state!r} is not valid; valid choices: {list(OPTIMIZER_STATE_CHOICES)}")
-        self.optimizer_state = optimizer_state
-        self.optimizer_kwargs = dict(optimizer_kwargs or {})
-        self.compute_dtype = _resolve_compute_dtype(compute_dtype)
-        self.fp8_eval = bool(fp8_eval)
-        self.engine = FP8TrainingEngine(
-            self.recipe,
-            StabilityConfig(
-                loss_scaling=loss_scaling,
-                init_loss_scale=init_loss_scale,
-                snapshot_every=snapshot_every,
-                max_consecutive_skips=max_consecutive_skips,
-                max_rollbacks=max_rollbacks,
-                rollback_window=rollback_window,
-                spike_factor=spike_factor,
-            ),
-            compute_dtype=self.compute_dtype,
-        )
+    def _init_core(self, options: FP8Options) -> None:
+        self.options = options
+        self.recipe = options.resolved_recipe()
+        self.preset = options.preset
+        self.module_filter = options.module_filter
+        self.optimizer_state = options.optimizer_state
+        self.optimizer_kwargs = dict(options.optimizer_kwargs or {})
+        self.compute_dtype = resolve_compute_dtype(options.compute_dtype)
+        self.fp8_eval = bool(options.fp8_eval)
+        self.engine = FP8TrainingEngine(self.recipe, options.stability_config(), compute_dtype=self.compute_dtype)
         self._module: Optional[nn.Module] = None
+
+    @classmethod
+    def from_options(cls, options: FP8Options) -> "FP8PrecisionCore":
+        """A bare core (no framework base class): what the Accelerate adapter drives."""
+        core = cls.__new__(cls)
+        core._init_core(options)
+        return core
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -159,9 +134,3 @@ def load_fp8_meta(module: nn.Module, meta: Dict[str, torch.Tensor]) -> None:
         )
 
 
-def _resolve_compute_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in COMPUTE_DTYPES.values():
-        return value
-    if value in COMPUTE_DTYPES:
-        return COMPUTE_DTYPES[value]
-    raise ValueError(f"compute_dtype={value!r} is not valid; valid choices: {list(COMPUTE_DTYPES)}")

@@ -1,6 +1,6 @@
 """Optional Transformer Engine backend: the same FP8Recipe, run by NVIDIA's TE modules instead of FP8Linear.
 
-    from lightning_fp8.te_backend import convert_to_te, te_autocast
+    from lightning_fp8.backends.transformer_engine import convert_to_te, te_autocast
     model = convert_to_te(model, recipe)           # nn.Linear -> te.Linear (weights copied)
     with te_autocast(recipe):                      # te.autocast / te.fp8_autocast with a recipe built from ours
         loss = model(x).sum()

@@ -5,20 +5,14 @@ can always answer "why is this layer not in FP8?".
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
+from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, ModuleFilter, default_skip_reason, filter_reason
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.recipe import FP8Recipe
-
-ModuleFilter = Callable[[nn.Module, str], bool]
-
-#: attribute set on a linear that conversion left in high precision
-SKIP_REASON_ATTR = "_fp8_skip_reason"
-
 
 @dataclass(frozen=True)
 class LayerPrecision:
@@ -27,27 +21,6 @@ class LayerPrecision:
     fqn: str
     precision: str  # "fp8" or "bf16"
     reason: str
-
-
-def default_skip_reason(
-    module: nn.Linear, fqn: str, recipe: FP8Recipe, is_first: bool, is_last: bool
-) -> Optional[str]:
-    """Why the default filter keeps this linear in BF16, or None to convert it."""
-    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-        return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
-    if module.in_features % 16 or module.out_features % 16:
-        return (
-            f"in/out features {module.in_features}x{module.out_features} are not multiples of 16 "
-            "(FP8 GEMMs need 16-aligned dimensions)"
-        )
-    for pattern in recipe.skip_patterns:
-        if fnmatch.fnmatchcase(fqn, pattern):
-            return f"name matches skip pattern {pattern!r}"
-    if recipe.keep_first_last_in_bf16 and is_first:
-        return "first linear layer kept in BF16 (recipe.keep_first_last_in_bf16)"
-    if recipe.keep_first_last_in_bf16 and is_last:
-        return "last linear layer kept in BF16 (recipe.keep_first_last_in_bf16)"
-    return None
 
 
 def _linears(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
@@ -77,7 +50,7 @@ def convert_to_fp8(
         if isinstance(module, FP8Linear):
             continue
         if module_filter is not None:
-            decisions[fqn] = None if module_filter(module, fqn) else _filter_reason(module_filter, module, fqn)
+            decisions[fqn] = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
         else:
             decisions[fqn] = default_skip_reason(module, fqn, recipe, fqn == first_fqn, fqn == last_fqn)
     if "" in decisions:  # the model itself is a linear
@@ -92,13 +65,6 @@ def convert_to_fp8(
         else:
             setattr(module, SKIP_REASON_ATTR, reason)
     return model
-
-
-def _filter_reason(module_filter: ModuleFilter, module: nn.Module, fqn: str) -> str:
-    """A filter object may explain itself through `skip_reason(module, fqn)` (e.g. the shape-aware auto filter)."""
-    explain = getattr(module_filter, "skip_reason", None)
-    reason = explain(module, fqn) if callable(explain) else None
-    return reason or "excluded by module_filter"
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:

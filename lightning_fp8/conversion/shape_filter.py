@@ -9,7 +9,8 @@ kernels). For a linear y = x W^T with M tokens, K inputs and N outputs, one trai
          the byte count): x -> x_fp8, x_fp8^T; W -> W_fp8, W_fp8^T; dY -> dY_fp8, dY_fp8^T, each a read of the
          high-precision tensor and two 1-byte writes, plus the per-cast scale bookkeeping launches
 
-It is a roofline with measured efficiencies, not a benchmark: good enough to keep 4096x1024x1024-sized layers
+It is a roofline with *assumed* efficiencies, not a benchmark (none of its constants has been measured by this
+project yet: no GPU run has happened, see docs/status.md): good enough to keep 4096x1024x1024-sized layers
 (and smaller) in BF16 and to convert 16384x4096x14336. `benchmarks/linear.py` measures the real crossover on a
 GPU; the table below is where to put what it finds.
 
@@ -24,6 +25,8 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, structural_skip_reason
+
 EMULATED_REASON = "FP8 emulated: no speed model"
 
 
@@ -35,17 +38,18 @@ class GPUSpec:
     bf16_tflops: float
     fp8_tflops: float
     hbm_tbps: float
-    #: fraction of peak a large GEMM reaches (measured: 8192^3 bf16 at 769-798 TFLOP/s on H100 and H200 here)
+    #: fraction of peak a large BF16 GEMM reaches: an assumption (typical of large cuBLAS GEMMs on Hopper), not a
+    #: measurement of this project; `benchmarks/linear.py` measures it on a GPU
     bf16_efficiency: float = 0.80
-    #: FP8 GEMMs (cuBLASLt via _scaled_mm) reach a smaller fraction of their doubled peak
+    #: FP8 GEMMs (cuBLASLt via _scaled_mm) reach a smaller fraction of their doubled peak (assumed, unmeasured)
     fp8_efficiency: float = 0.65
-    #: fraction of HBM bandwidth an elementwise cast kernel reaches
+    #: fraction of HBM bandwidth an elementwise cast kernel reaches (assumed, unmeasured)
     bw_efficiency: float = 0.85
-    #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels)
+    #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels; assumed, unmeasured)
     launch_s: float = 6e-6
 
 
-#: Vendor peak numbers; efficiencies from the measurements noted on GPUSpec. Matched against
+#: Vendor peak numbers (datasheets); efficiencies are the assumptions noted on GPUSpec. Matched against
 #: torch.cuda.get_device_name() by substring, first match wins (so "H100 PCIe" before "H100").
 GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
     ("H200", GPUSpec("H200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=4.8)),
@@ -174,14 +178,8 @@ class AutoShapeFilter:
     def skip_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
         if not isinstance(module, nn.Linear):
             return "not an nn.Linear"
-        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-            reason: Optional[str] = "used functionally by nn.MultiheadAttention (its forward never calls the module)"
-        elif module.in_features % 16 or module.out_features % 16:
-            reason = (
-                f"in/out features {module.in_features}x{module.out_features} are not multiples of 16 "
-                "(FP8 GEMMs need 16-aligned dimensions)"
-            )
-        else:
+        reason = structural_skip_reason(module)
+        if reason is None:
             device = self.device if self.device is not None else module.weight.device
             wins, why = fp8_wins(
                 self.tokens_per_batch, module.in_features, module.out_features, device, self.min_speedup, self.compiled
@@ -196,7 +194,7 @@ class AutoShapeFilter:
     def __call__(self, module: nn.Module, fqn: str) -> bool:
         reason = self.skip_reason(module, fqn)
         if reason is not None:
-            setattr(module, "_fp8_skip_reason", reason)
+            setattr(module, SKIP_REASON_ATTR, reason)
         return reason is None
 
 

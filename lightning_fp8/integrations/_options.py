@@ -1,0 +1,107 @@
+"""The options every FP8 adapter takes, defined once: names, types, defaults, validation.
+
+`FP8Options` is the single list of what a user can set. The Lightning and Fabric plugins spell the same arguments
+out in their own `__init__` (so IDEs, `help()` and LightningCLI / jsonargparse see a real signature) and hand them
+to `FP8Options`; Accelerate's `FP8Kwargs` *is* an `FP8Options`. A test checks that the three signatures agree.
+Every value is validated here, where the user wrote it, with an error naming the valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from lightning_fp8.conversion.filters import ModuleFilter
+from lightning_fp8.engine.config import StabilityConfig
+from lightning_fp8.engine.loss_scaler import LossScaling, resolve_loss_scaling
+from lightning_fp8.presets import get_preset
+from lightning_fp8.recipe import FP8Recipe
+
+OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class FP8Options:
+    """Options of FP8 training (documented in docs/plugin.md; the adapters' docstrings repeat them).
+
+    recipe: an FP8Recipe (formats, scaling, which layers); or preset: a named recipe ("default", "conservative",
+        "mellempudi"). At most one of the two.
+    module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
+    loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
+    init_loss_scale, growth_interval: the dynamic loss scaler's start value and clean steps before it doubles.
+    snapshot_every: optimizer steps between snapshots of the last good state (rollback targets).
+    max_consecutive_skips: skipped steps in a row that trigger a rollback.
+    max_rollbacks, rollback_window: more than max_rollbacks rollbacks within rollback_window steps stop training.
+    spike_factor, spike_window, spike_warmup: roll back when the loss exceeds spike_factor x its mean over the last
+        spike_window good steps (None: off), once spike_warmup losses are known.
+    check_weights_every: optimizer steps between checks that the weights are finite (one norm pass each).
+    optimizer_state: "fp32" (the optimizer as it is) or "fp8" (torch Adam / AdamW become FP8AdamW);
+        optimizer_kwargs: FP8AdamW storage options for that swap.
+    compute_dtype: "bf16" or "fp16" (or the torch dtype): the autocast dtype of everything that is not an FP8 GEMM.
+    fp8_eval: run evaluation forwards in FP8 too (True) or in compute_dtype (False).
+    """
+
+    recipe: Optional[FP8Recipe] = None
+    preset: Optional[str] = None
+    module_filter: Optional[ModuleFilter] = None
+    loss_scaling: LossScaling = "auto"
+    init_loss_scale: float = 2.0**8
+    growth_interval: int = 1000
+    snapshot_every: int = 50
+    max_consecutive_skips: int = 10
+    max_rollbacks: int = 3
+    rollback_window: int = 1000
+    spike_factor: Optional[float] = None
+    spike_window: int = 50
+    spike_warmup: int = 20
+    check_weights_every: int = 1
+    optimizer_state: str = "fp32"
+    optimizer_kwargs: Optional[Dict[str, Any]] = None
+    compute_dtype: Union[str, torch.dtype] = "bf16"
+    fp8_eval: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.recipe is not None and self.preset is not None:
+            raise ValueError("give either recipe= or preset=, not both (a preset is a named recipe)")
+        if self.recipe is not None and not isinstance(self.recipe, FP8Recipe):
+            raise TypeError(f"recipe must be an FP8Recipe, got {type(self.recipe).__name__}")
+        if self.preset is not None:
+            get_preset(self.preset)  # raises naming the valid presets
+        if self.optimizer_state not in OPTIMIZER_STATE_CHOICES:
+            raise ValueError(
+                f"optimizer_state={self.optimizer_state!r} is not valid; valid choices: {list(OPTIMIZER_STATE_CHOICES)}"
+            )
+        resolve_compute_dtype(self.compute_dtype)
+        resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
+        self.stability_config()  # validates the stability knobs
+
+    def resolved_recipe(self) -> FP8Recipe:
+        return self.recipe if self.recipe is not None else get_preset(self.preset or "default")
+
+    def stability_config(self) -> StabilityConfig:
+        return StabilityConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StabilityConfig)})
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The options as keyword arguments (shallow: the recipe and the filter are the objects given)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(FP8Options)}
+
+
+def option_names() -> tuple:
+    return tuple(f.name for f in dataclasses.fields(FP8Options))
+
+
+def resolve_compute_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in COMPUTE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[value]
+    raise ValueError(f"compute_dtype={value!r} is not valid; valid choices: {list(COMPUTE_DTYPES)}")
+
+
+__all__ = ["FP8Options", "OPTIMIZER_STATE_CHOICES", "COMPUTE_DTYPES", "option_names", "resolve_compute_dtype"]

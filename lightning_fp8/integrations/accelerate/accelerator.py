@@ -1,0 +1,307 @@
+"""FP8 for Hugging Face Accelerate: `FP8Accelerator()` + `--mixed_precision fp8`, run by our engine.
+
+Why a subclass and not a backend: Accelerate's FP8 support is a closed set (TransformerEngine, torchao, MS-AMP).
+With none of them installed `mixed_precision="fp8"` raises, and its kwargs handlers are matched by exact class, so a
+third party cannot register a backend. `FP8AcceleratorMixin` therefore intercepts "fp8" *before* Accelerate builds its
+AcceleratorState, runs the base class with mixed_precision="no", and translates Accelerate's hooks into
+FP8TrainingEngine calls (the same engine the Lightning and Fabric plugins drive):
+
+    prepare(model)            convert_to_fp8 in place (Parameters reused: optimizer references stay valid),
+                              forward wrapped in torch.autocast(compute dtype) + fp8_autocast, engine.attach
+    prepare(optimizer)        an AcceleratedOptimizer whose step() goes through engine.step (skip / rollback);
+                              optimizer_state="fp8" swaps torch Adam/AdamW for FP8AdamW first
+    backward(loss)            engine.scale_loss
+    clip_grad_norm_/value_    engine.unscale_ first, clip on unscaled gradients (norm in fp32)
+    save_state/load_state     layer metadata is in the model state_dict; engine state is a registered object
+
+When mixed precision does not resolve to "fp8" the class is `accelerate.Accelerator`, unchanged.
+
+`accelerate launch --mixed_precision fp8` itself refuses to start when none of Accelerate's FP8 backends is
+installed (the launcher checks before it runs the script). `python -m lightning_fp8.accelerate launch ...` is
+`accelerate launch` with that one check satisfied by this engine; see docs/accelerate.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from accelerate.utils.dataclasses import FP8BackendType
+from torch import nn
+
+from lightning_fp8.engine import clipping
+from lightning_fp8.engine.engine import FP8TrainingEngine
+from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
+from lightning_fp8.integrations.accelerate.forward import wrap_forward
+from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
+from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, inner_optimizer
+from lightning_fp8.modules.autocast import fp8_autocast
+
+#: distributed types the adapter supports: one process, or DDP (gloo on CPU, NCCL on GPU)
+SUPPORTED_DISTRIBUTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+#: key in AcceleratorState's shared state recording that its "no" is really "fp8" run by this engine, so a second
+#: FP8Accelerator in the same process (AcceleratorState is a singleton) resolves to the same precision
+_SHARED_STATE_FLAG = "_lightning_fp8"
+_ACCELERATE_FP8_HANDLERS = ("FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs")
+
+
+class FP8AcceleratorMixin:
+    """Makes an `accelerate.Accelerator` (sub)class run `mixed_precision="fp8"` on lightning_fp8's engine.
+
+    Use `FP8Accelerator`, or put the mixin first in your own class: `class MyAccelerator(FP8AcceleratorMixin,
+    MyBaseAccelerator)`. Mixed precision resolves as in Accelerate: the `mixed_precision` argument, else the
+    ACCELERATE_MIXED_PRECISION environment variable (which `accelerate launch --mixed_precision` and `accelerate
+    config` files set), else the existing AcceleratorState. FP8 options come from an `FP8Kwargs` in
+    `kwargs_handlers`.
+
+    Public additions: `fp8_engine` (the FP8TrainingEngine, None unless FP8 is on), `skipped_steps`, `rollbacks`,
+    `loss_scale`, `fp8_metrics()`. `mixed_precision` reports "fp8"; Accelerate's own state runs with "no" (the
+    autocast and loss scaling are ours).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        arguments = bound.arguments
+        handlers = list(arguments.get("kwargs_handlers") or [])
+        fp8_kwargs = [h for h in handlers if isinstance(h, FP8Kwargs)]
+        if len(fp8_kwargs) > 1:
+            raise ValueError("pass at most one FP8Kwargs in kwargs_handlers")
+        if "kwargs_handlers" in arguments:
+            arguments["kwargs_handlers"] = [h for h in handlers if not isinstance(h, FP8Kwargs)] or None
+
+        requested = _resolve_mixed_precision(arguments.get("mixed_precision"))
+        self._fp8_core: Optional[FP8PrecisionCore] = None
+        self._fp8_model: Optional[nn.Module] = None
+        #: (user's optimizer, FP8AdamW) pairs from optimizer_state="fp8", to re-point LR schedulers
+        self._fp8_swapped_optimizers: List[tuple] = []
+        if requested == "fp8":
+            foreign = [type(h).__name__ for h in handlers if type(h).__name__ in _ACCELERATE_FP8_HANDLERS]
+            if foreign:
+                raise ValueError(
+                    f"{type(self).__name__} runs mixed_precision='fp8' on lightning_fp8's engine; {foreign[0]} "
+                    "configures one of Accelerate's own FP8 backends. Pass lightning_fp8.accelerate.FP8Kwargs "
+                    "instead, or use accelerate.Accelerator for TransformerEngine / torchao / MS-AMP."
+                )
+            self._fp8_core = (fp8_kwargs[0] if fp8_kwargs else FP8Kwargs()).build_core()
+            arguments["mixed_precision"] = "no"  # Accelerate adds no autocast or GradScaler of its own
+        elif fp8_kwargs:
+            warnings.warn(
+                f"FP8Kwargs is ignored: mixed precision resolved to {requested!r}, not 'fp8' "
+                "(set Accelerator(mixed_precision='fp8'), `--mixed_precision fp8` or ACCELERATE_MIXED_PRECISION=fp8).",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__init__(*bound.args, **bound.kwargs)
+        if self._fp8_core is None:
+            return
+        if self.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
+            raise NotImplementedError(
+                f"{type(self).__name__}(mixed_precision='fp8') supports distributed types "
+                f"{[t.value for t in SUPPORTED_DISTRIBUTED_TYPES]}, not {self.distributed_type.value}"
+            )
+        AcceleratorState._shared_state[_SHARED_STATE_FLAG] = True
+        self.fp8_enabled = True
+        # registered first, so it is always custom_checkpoint_0 whatever the user registers after
+        self.register_for_checkpointing(FP8CheckpointState(self._fp8_core))
+
+    # -- what the user sees ---------------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> str:
+        return "fp8" if self._fp8_core is not None else super().mixed_precision
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        # Accelerate's TE / torchao / MS-AMP code paths (chosen from this property, e.g. by `--fp8_backend`) must not
+        # run on top of ours
+        if getattr(self, "_fp8_core", None) is not None:
+            return FP8BackendType.NO
+        return super().fp8_backend
+
+    @property
+    def fp8_engine(self) -> Optional[FP8TrainingEngine]:
+        return self._fp8_core.engine if self._fp8_core is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._fp8_core.skipped_steps if self._fp8_core is not None else 0
+
+    @property
+    def rollbacks(self) -> int:
+        return self._fp8_core.rollbacks if self._fp8_core is not None else 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self._fp8_core.loss_scale if self._fp8_core is not None else 1.0
+
+    def fp8_metrics(self) -> Dict[str, float]:
+        """fp8/skipped_steps, fp8/rollbacks, fp8/loss_scale, for `accelerator.log(...)`; {} without FP8."""
+        return self._fp8_core.engine.metrics() if self._fp8_core is not None else {}
+
+    # -- prepare --------------------------------------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
+        core = self._fp8_core
+        if core is None or getattr(model, "_is_accelerate_prepared", False):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if evaluation_mode:
+            # an inference-only model (a teacher, a reference model): compute dtype, no FP8 state to train
+            wrap_forward(model, lambda training: core._fp8_context(False))
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self._fp8_model is not None and model is not self._fp8_model:
+            raise NotImplementedError(
+                f"{type(self).__name__}(mixed_precision='fp8') trains one model in FP8 per accelerator (one engine, "
+                "one set of scales). Prepare other models with prepare_model(model, evaluation_mode=True)."
+            )
+        # In place: FP8Linear reuses each nn.Linear's Parameters, so an optimizer built on model.parameters() before
+        # prepare() keeps updating the live weights. (Only a bare nn.Linear comes back as a new module.)
+        model = core.convert_module(model)
+        self._fp8_model = model
+        fp8_eval = core.fp8_eval
+        wrap_forward(model, lambda training: core._fp8_context(training or fp8_eval))
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
+        core = self._fp8_core
+        if core is None or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if core.optimizer_state == "fp8":
+            optimizer = self._to_fp8_optimizer(optimizer)
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = FP8AcceleratedOptimizer(optimizer, core.engine, device_placement=device_placement)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def _to_fp8_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        from lightning_fp8.optim import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
+
+        new = to_fp8_optimizer(optimizer, **self._fp8_core.optimizer_kwargs)
+        if new is None:
+            warnings.warn(unsupported_optimizer_message(optimizer), UserWarning, stacklevel=3)
+            return optimizer
+        # schedulers are usually built on the user's optimizer before prepare(): re-point those prepared already
+        # here, and the rest when they reach prepare_scheduler
+        self._fp8_swapped_optimizers.append((optimizer, new))
+        rebind_lr_schedulers([s.scheduler for s in self._schedulers], optimizer, new)
+        self._fp8_core.engine.replace_optimizer(optimizer, new)
+        return new
+
+    def prepare_scheduler(self, scheduler):
+        if self._fp8_swapped_optimizers:
+            from lightning_fp8.optim import rebind_lr_schedulers
+
+            for old, new in self._fp8_swapped_optimizers:
+                rebind_lr_schedulers([scheduler], old, new)
+        return super().prepare_scheduler(scheduler)
+
+    # -- backward, unscale, clip ----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self._fp8_core is None:
+            return super().backward(loss, **kwargs)
+        kwargs.pop("learning_rate", None)  # a LOMO argument; LOMO optimizers step inside backward, not supported
+        loss = loss / self.gradient_accumulation_steps  # as Accelerate does, before the engine records it
+        self._fp8_core.engine.scale_loss(loss).backward(**kwargs)
+
+    def unscale_gradients(self, optimizer=None) -> None:
+        if self._fp8_core is None:
+            return super().unscale_gradients(optimizer)
+        if not self.sync_gradients:
+            raise RuntimeError(
+                "lightning_fp8: gradients were unscaled / clipped in the middle of gradient accumulation. Clip on the "
+                "step that updates the weights, as Accelerate documents: `if accelerator.sync_gradients: "
+                "accelerator.clip_grad_norm_(model.parameters(), max_norm)` (the micro-batches still to come would "
+                "add loss-scaled gradients to unscaled ones)."
+            )
+        if optimizer is None:
+            optimizers = self._optimizers
+        elif isinstance(optimizer, (list, tuple)):
+            optimizers = optimizer
+        else:
+            optimizers = [optimizer]
+        for opt in optimizers:
+            self._fp8_core.engine.unscale_(inner_optimizer(opt))
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip on unscaled gradients. With the L2 norm over exactly one optimizer's parameters (the usual
+        `model.parameters()`) this is engine.clip_grad_norm_: norm in fp32, a non-finite norm skips the step."""
+        if self._fp8_core is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        params = list(parameters)
+        owners = self._owners(params)
+        self.unscale_gradients(owners or None)
+        engine = self._fp8_core.engine
+        if float(norm_type) == 2.0 and owners:
+            # a subset of parameters (or parameters of several optimizers) is clipped together; a non-finite norm
+            # marks the step as skipped in the engine
+            return engine.clip_grad_norm_(inner_optimizer(owners[0]), max_norm, parameters=params)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self._fp8_core is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        params = list(parameters)
+        owners = self._owners(params)
+        self.unscale_gradients(owners or None)
+        clipping.clip_grad_value_([p.grad for p in params], clip_value)
+
+    def _owners(self, params: Sequence[torch.Tensor]) -> List[AcceleratedOptimizer]:
+        ids = {id(p) for p in params}
+        return [
+            opt for opt in self._optimizers
+            if any(id(p) in ids for group in inner_optimizer(opt).param_groups for p in group["params"])
+        ]
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler=None) -> Iterator[None]:
+        """The prepared forward's context (compute-dtype autocast + FP8) for code outside the model's forward;
+        `AutocastKwargs(enabled=False)` turns both off, as it turns off Accelerate's autocast."""
+        if self._fp8_core is None:
+            with super().autocast(autocast_handler):
+                yield
+            return
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        if handler is not None and not handler.enabled:
+            with torch.autocast(self._fp8_core._device_type(), enabled=False), fp8_autocast(enabled=False):
+                yield
+            return
+        with self._fp8_core._fp8_context(True):
+            yield
+
+
+class FP8Accelerator(FP8AcceleratorMixin, Accelerator):
+    """`accelerate.Accelerator` that runs `mixed_precision="fp8"` on lightning_fp8 (see FP8AcceleratorMixin).
+
+        accelerator = FP8Accelerator()                       # precision from `launch` / config file / env var
+        accelerator = FP8Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(loss_scaling="dynamic")])
+    """
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+def _resolve_mixed_precision(value: Any) -> str:
+    """What Accelerate would resolve mixed precision to, read before its AcceleratorState exists (which would raise
+    on "fp8" without an FP8 backend)."""
+    state = AcceleratorState._shared_state
+    current = None
+    if state.get("_mixed_precision") is not None:  # AcceleratorState is a process-wide singleton
+        current = "fp8" if state.get(_SHARED_STATE_FLAG) else state["_mixed_precision"]
+    if value is None:
+        if current is not None:
+            return current
+        return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    value = str(value).lower()
+    if current is not None and value != current and (value == "fp8" or current == "fp8"):
+        raise ValueError(
+            f"AcceleratorState has already been initialized with mixed_precision={current!r} and cannot be changed to "
+            f"{value!r}; reset it (AcceleratorState._reset_state(True)) or restart the process."
+        )
+    return value
+
+
+__all__ = ["FP8Accelerator", "FP8AcceleratorMixin", "SUPPORTED_DISTRIBUTED_TYPES"]

@@ -1,0 +1,36 @@
+"""FP8AcceleratedOptimizer: Accelerate's optimizer wrapper whose real step goes through the FP8 engine."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+from lightning_fp8.engine.engine import FP8TrainingEngine
+
+
+class FP8AcceleratedOptimizer(AcceleratedOptimizer):
+    """AcceleratedOptimizer whose real step goes through the engine: skipped on non-finite gradients, loss or FP8
+    amax (then `step_was_skipped` is True and a prepared LR scheduler does not step), rolled back on divergence.
+    Within `accelerator.accumulate(...)` the micro-steps stay no-ops, as in Accelerate: only the step that follows
+    the synchronised backward reaches the engine."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: FP8TrainingEngine, device_placement: bool = True):
+        super().__init__(optimizer, device_placement=device_placement, scaler=None)
+        self.engine = engine
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        result = self.engine.step(self.optimizer, lambda: self.optimizer.step(closure))
+        self._is_overflow = not result.stepped
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under any number of AcceleratedOptimizer wrappers."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+__all__ = ["FP8AcceleratedOptimizer", "inner_optimizer"]

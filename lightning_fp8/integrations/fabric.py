@@ -1,0 +1,82 @@
+"""FP8Precision for Lightning Fabric: `Fabric(plugins=lightning_fp8.fabric.FP8Precision())`.
+
+Fabric drives the same FP8TrainingEngine as the Trainer plugin. `fabric.backward(loss)` scales the loss,
+`fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False)` unscales first (pass
+error_if_nonfinite=False: a non-finite norm then skips the step instead of raising), and `optimizer.step()` goes
+through the engine, which skips non-finite steps and rolls back. Save the plugin with your checkpoint
+(`fabric.save(path, {"model": m, "optimizer": o, "fp8": plugin})`) to resume with the loss scaler and counters; the
+layers' FP8 metadata is in the model's state_dict.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fp8.conversion.filters import ModuleFilter
+from lightning_fp8.engine.loss_scaler import LossScaling
+from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations._options import FP8Options, option_names
+from lightning_fp8.recipe import FP8Recipe
+
+_OPTION_NAMES = frozenset(option_names())
+
+
+class FP8Precision(FP8PrecisionCore, Precision):
+    """Fabric precision plugin; the arguments are those of `lightning_fp8.FP8Precision` (the Trainer plugin), except
+    that optimizer_state="fp8" is refused: Fabric sets up the optimizer you build, so build
+    `lightning_fp8.optim.FP8AdamW` directly."""
+
+    def __init__(
+        self,
+        recipe: Optional[FP8Recipe] = None,
+        *,
+        preset: Optional[str] = None,
+        module_filter: Optional[ModuleFilter] = None,
+        loss_scaling: LossScaling = "auto",
+        init_loss_scale: float = 2.0**8,
+        growth_interval: int = 1000,
+        snapshot_every: int = 50,
+        max_consecutive_skips: int = 10,
+        max_rollbacks: int = 3,
+        rollback_window: int = 1000,
+        spike_factor: Optional[float] = None,
+        spike_window: int = 50,
+        spike_warmup: int = 20,
+        check_weights_every: int = 1,
+        optimizer_state: str = "fp32",
+        optimizer_kwargs: Optional[Dict[str, Any]] = None,
+        compute_dtype: Union[str, torch.dtype] = "bf16",
+        fp8_eval: bool = True,
+    ) -> None:
+        self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
+        if self.optimizer_state != "fp32":
+            raise ValueError(
+                "lightning_fp8.fabric.FP8Precision(optimizer_state='fp8') is not supported: Fabric sets up the "
+                "optimizer you build, so build lightning_fp8.optim.FP8AdamW directly."
+            )
+
+    def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
+        return self.engine.scale_loss(tensor)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        self.engine.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        result = {}
+
+        def step() -> None:
+            result["out"] = optimizer.step(**kwargs)
+
+        self.engine.step(optimizer, step)
+        return result.get("out")
+
+    # state_dict / load_state_dict come from FP8PrecisionCore (first in the MRO): `fabric.save(path, {"fp8": plugin})`
+    # stores and restores the engine state through them (Fabric's Stateful protocol).
+
+
+__all__ = ["FP8Precision"]
