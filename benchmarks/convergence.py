@@ -1,6 +1,6 @@
-"""Convergence benchmark (issue 3): char-GPT on the embedded corpus, FP8Precision vs precision="bf16-mixed".
+"""Convergence benchmark: char-GPT on the embedded corpus, FP8Precision vs precision="bf16-mixed".
 
-Same model, seed, data order and fixed validation set for both; LR warms up then decays to zero (DESIGN.md:
+Same model, seed, data order and fixed validation set for both; LR warms up then decays to zero (docs/measuring.md:
 constant-LR comparisons of short runs are noise). Several seeds, so the gap is reported next to the seed spread.
 
     python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]

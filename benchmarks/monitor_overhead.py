@@ -87,7 +87,7 @@ class OwnTime:
 
 def instrument(monitor, own):
     """Time FP8ScaleMonitor's hooks and the statistics observers (wrapped at the class, for this run only)."""
-    from lightning_fp8.callbacks import records
+    from lightning_fp8.callbacks import sampling as records
 
     monitor.on_train_batch_start = own.wrap(monitor.on_train_batch_start, step_of=lambda trainer, *a: trainer.global_step)
     monitor.on_train_batch_end = own.wrap(monitor.on_train_batch_end)

@@ -1,10 +1,10 @@
-"""Convergence of FP8AdamW against torch.optim.AdamW on a small char-level GPT (issue 4).
+"""Convergence of FP8AdamW against torch.optim.AdamW on a small char-level GPT.
 
 Corpus: the CPython standard library's own .py files (sorted paths, site-packages excluded), as bytes
 (vocabulary 256), first 90% train / last 10% validation. Model: 2 layers, d_model 128, 4 heads, context 64.
 
 Every variant of one seed starts from the same initial weights and sees the same batches in the same order;
-the LR warms up linearly then decays to zero with a cosine (DESIGN.md: with a constant LR a 1e-8 change of eps
+the LR warms up linearly then decays to zero with a cosine (docs/measuring.md: with a constant LR a 1e-8 change of eps
 moves the final loss by 1%, with decay to zero by 0.001%). The final loss is measured on a fixed validation
 set (positions drawn once, independent of the seed). The gap of a variant is (loss - adamw) / adamw per seed;
 the report gives its mean and spread next to the seed-to-seed spread of the baseline itself.

@@ -1,4 +1,4 @@
-"""Bytes of optimizer state per parameter: FP8AdamW vs torch.optim.AdamW on GPT-like models (issue 4).
+"""Bytes of optimizer state per parameter: FP8AdamW vs torch.optim.AdamW on GPT-like models.
 
 Counts the storage of every tensor in the optimizer state after one step (moments, block scales, step counters)
 divided by the number of parameters (`lightning_fp8.optim.state_bytes_per_param`). With fp32 master weights
@@ -7,7 +7,7 @@ bytes (4 for fp32, 2 for bf16 master weights) to show what low-precision master 
 A second, independent count: the size of `torch.save(optimizer.state_dict())`, which includes pickling
 overhead and so can only be slightly larger.
 
-Targets (issue 4): <= 3.1 bytes/param with the FP16 second moment, <= 2.1 with the FP8 (sqrt) second moment.
+Targets: <= 3.1 bytes/param with the FP16 second moment, <= 2.1 with the FP8 (sqrt) second moment.
 
 Usage: python benchmarks/optim_memory.py   -> prints a table, writes benchmarks/results/optim_memory.json / .md
 """

@@ -13,7 +13,7 @@ Precisions (several per run, `--precision a,b,...`):
 (no download), fixed random windows; validation on a fixed held-out set. Reports tokens/s (after warmup),
 peak GPU memory, final train loss (mean of the last 10% of steps) and validation loss. Writes
 benchmarks/results/train_<device>.json and .md after each run. The LR is constant: loss numbers here are a
-sanity check that every precision trains, not a quality comparison (DESIGN.md: "Measuring loss gaps honestly").
+sanity check that every precision trains, not a quality comparison (docs/measuring.md).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ VAL = noisy_regression(1024, 1).tensors
 
 
 class Schedule(RegressionModule):
-    """AdamW with LR decaying linearly to zero (DESIGN.md: compare runs whose LR decays to zero)."""
+    """AdamW with LR decaying linearly to zero (docs/measuring.md: compare runs whose LR decays to zero)."""
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr)

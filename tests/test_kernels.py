@@ -7,7 +7,7 @@ Three tiers:
 - CPU under the Triton interpreter (TRITON_INTERPRET=1), only where triton is importable and no GPU is present:
   the kernel's indexing, masking, transposed store, amax and skip logic, and its exact integer ("soft") FP8
   rounding, bit for bit. The hardware-cvt variant is compared only on values that do not round across a power
-  of two: the interpreter's own fp8 conversion mis-rounds those (DESIGN.md).
+  of two: the interpreter's own fp8 conversion mis-rounds those (docs/numerics.md).
 - CUDA (`pytest -m cuda`): both cast variants bit-exact against `quantize` on the GPU, many shapes / strides /
   dtypes / edge values; stochastic rounding with given noise; FP8Linear fused vs reference.
 Tolerances: none for casts and amaxes (bit-exact; NaN compared as NaN, the hardware cvt may drop NaN's sign).

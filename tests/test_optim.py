@@ -1,4 +1,4 @@
-"""FP8AdamW (issue 4): blockwise storage, agreement with torch.optim.AdamW, checkpoints, conversion, schedulers.
+"""FP8AdamW: blockwise storage, agreement with torch.optim.AdamW, checkpoints, conversion, schedulers.
 
 Tolerances come from the formats, not from runs:
 - E4M3 round-to-nearest: in the binade [2^e, 2^(e+1)) the spacing is 2^(e-3), so a normal value is off by at
@@ -617,7 +617,7 @@ def _interpreter_check() -> None:
 
     Parameters must agree to a few float32 ulps (same formula and scalar coefficients, rounding order may
     differ), block scales to 1e-6, and stored codes exactly, except (a) the interpreter's known float8 bug:
-    a value that should round up to a power of two comes out as half of it (DESIGN.md), and (b) at most 0.1%
+    a value that should round up to a power of two comes out as half of it (docs/numerics.md), and (b) at most 0.1%
     one-code flips from float32 rounding-order differences."""
     from lightning_fp8.optim.reference import adamw_step_
     from lightning_fp8.optim.state import init_state

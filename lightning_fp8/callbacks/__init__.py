@@ -11,6 +11,7 @@ FP8Calibration initialises every scale from a few batches before the first optim
 from lightning_fp8.callbacks.calibration import FP8Calibration
 from lightning_fp8.callbacks.fallback import FP8LayerFallback
 from lightning_fp8.callbacks.monitor import FP8ScaleMonitor
-from lightning_fp8.callbacks.records import HISTORY_FILENAME, StatsRecord
+from lightning_fp8.callbacks.history_file import HISTORY_FILENAME
+from lightning_fp8.callbacks.sampling import StatsRecord
 
 __all__ = ["FP8ScaleMonitor", "FP8LayerFallback", "FP8Calibration", "StatsRecord", "HISTORY_FILENAME"]

@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_fp8.modules.autocast import fp8_autocast
-from lightning_fp8.callbacks.records import fp8_engine, hub_for
+from lightning_fp8.callbacks.hub import fp8_engine, hub_for
 from lightning_fp8.conversion.convert import fp8_layers
 
 log = logging.getLogger("lightning_fp8")

@@ -20,13 +20,9 @@ non-finite a non-finite value originates in the layer: after the engine reports 
            not; `nonfinite_patience` such steps move the layer. (A non-finite value that starts outside every FP8
            layer, e.g. in the data, moves nothing: the engine's skip / rollback handles it.)
 
-Where an anomaly originates: values flow forward through the layers (and gradients backward), so one bad layer
-makes the layers after it overflow in the same step. Anomalies are grouped into episodes per (layer, role); all
-episodes that start in the same step are attributed to one origin: the first layer in forward execution order with
-an input or weight anomaly, or, when only gradients are anomalous, the last layer in forward order (the first the
-backward pass reaches). An episode inherited from an origin stays attributed to it for as long as it lasts, so the
-layers downstream of a failing layer are not moved for its failure. Only steps where a layer is the origin count
-against it.
+Where an anomaly originates (lightning_fp8/callbacks/anomaly.py): one bad layer makes the layers after it overflow
+in the same step, so every anomaly is attributed to the layer where it starts, and only steps where a layer is the
+origin count against it.
 
 Every switch is logged (python logging, a `fp8/<fqn>/fp8_enabled` logger metric and `fp8/fallback_layers`, an
 event in the history file) and kept in checkpoints (this callback's state; the layer's `fp8_meta.enabled` buffer
@@ -36,25 +32,22 @@ travels with the precision plugin's state), so a resumed run has the same precis
 
 Under DDP the per-rank observations are combined with one MAX all-reduce per step, so every rank makes the same
 decision.
+
+(Length: this file is the callback's hook plumbing, switching, events and checkpoint state, plus the rules' user
+documentation above; the rule logic itself is in fallback_rules.py.)
 """
 from __future__ import annotations
 
 import fnmatch
 import logging
-from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fp8.callbacks.records import (
-    StatsConsumer,
-    StatsRecord,
-    fp8_engine,
-    hub_for,
-    layer_counters,
-    precision_rows,
-)
+from lightning_fp8.callbacks.fallback_rules import FallbackRules, Key, NonFiniteOriginProbe
+from lightning_fp8.callbacks.hub import StatsConsumer, fp8_engine, hub_for, layer_counters, precision_rows
+from lightning_fp8.callbacks.sampling import StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.modules.linear import FP8Linear
@@ -62,8 +55,6 @@ from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
 from lightning_fp8.recipe import ROLES
 
 log = logging.getLogger("lightning_fp8")
-
-Key = Tuple[str, str]  # (layer fqn, role)
 
 
 def reset_scaling_state(layer: FP8Linear) -> None:
@@ -111,21 +102,13 @@ class FP8LayerFallback(StatsConsumer, Callback):
     ) -> None:
         if isinstance(keep_in_bf16, str):
             keep_in_bf16 = (keep_in_bf16,)
-        for name, value in (
-            ("overflow_patience", overflow_patience),
-            ("overflow_window", overflow_window),
-            ("stats_patience", stats_patience),
-            ("nonfinite_patience", nonfinite_patience),
-            ("sample_size", sample_size),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if overflow_patience > overflow_window:
-            raise ValueError(f"overflow_patience ({overflow_patience}) cannot exceed overflow_window ({overflow_window})")
-        if not overflow_factor >= 1.0:
-            raise ValueError(f"overflow_factor must be >= 1, got {overflow_factor!r}")
-        if max_underflow is not None and not 0.0 < max_underflow <= 1.0:
-            raise ValueError(f"max_underflow must be in (0, 1] or None, got {max_underflow!r}")
+        # the rule thresholds are validated where they are used
+        self._rules = FallbackRules(
+            overflow_factor, overflow_patience, overflow_window, min_sqnr_db, max_underflow, stats_patience,
+            nonfinite_patience,
+        )
+        if not isinstance(sample_size, int) or sample_size < 1:
+            raise ValueError(f"sample_size must be an int >= 1, got {sample_size!r}")
         for name, value in (("check_every_n_steps", check_every_n_steps), ("retry_after_steps", retry_after_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -149,16 +132,11 @@ class FP8LayerFallback(StatsConsumer, Callback):
         #: chronological switches (fallback / retry / keep_bf16) made by this callback
         self.events: List[Dict[str, Any]] = []
         self._retries: Dict[str, int] = {}
-        self._overflow_hits: Dict[str, Deque[int]] = {}
-        self._stats_streak: Dict[str, int] = {}
-        self._nonfinite_hits: Dict[str, int] = {}
-        self._episodes: Dict[str, Dict[Key, str]] = {"overflow": {}, "stats": {}}
         self._step_start: Optional[int] = None
         self._ratios: Optional[torch.Tensor] = None
         self._ratio_keys: List[Key] = []
         self._diagnose_next = False
-        self._diag_hooks: List[Any] = []
-        self._diag: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._probe = NonFiniteOriginProbe()
         self._rollbacks_seen = 0
         self._last_result = None
         self._counters: Optional[Dict] = None
@@ -194,7 +172,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         if self._step_start is None:
             self._step_start = trainer.global_step
             if self._diagnose_next:
-                self._install_diagnosis(pl_module)
+                self._probe.install(fp8_layers(pl_module))
         if self._counters is None and fp8_engine(trainer) is None:
             self._counters = layer_counters(fp8_layers(pl_module))
 
@@ -226,11 +204,11 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._evaluate(trainer, pl_module, record)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._remove_diagnosis()
+        self._probe.remove()
         hub_for(trainer).abort()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._remove_diagnosis()
+        self._probe.remove()
         hub_for(trainer).abort()
 
     # -- manual list and restored state ------------------------------------------------------------------------
@@ -278,23 +256,23 @@ class FP8LayerFallback(StatsConsumer, Callback):
         flags = torch.zeros(2 * n + len(layers) + 1)
         if self._ratios is not None:
             for key, ratio in zip(self._ratio_keys, self._ratios.tolist()):
-                if key in index and ratio > self.overflow_factor:
+                if key in index and ratio > self._rules.overflow_factor:
                     flags[index[key]] = ratio  # the ratio itself, for the reason text
         self._ratios = None
         bad_stats_values: Dict[Key, str] = {}
         if record is not None:
             for fqn, roles in record.layers.items():
                 for role, stats in roles.items():
-                    why = self._bad_stats(role, stats)
+                    why = self._rules.bad_stats(role, stats)
                     if why is not None and (fqn, role) in index:
                         flags[n + index[(fqn, role)]] = 1.0
                         bad_stats_values[(fqn, role)] = why
         layer_list = list(layers)
         for i, fqn in enumerate(layer_list):
-            diag = self._diag_result(fqn)
+            diag = self._probe.originated_in(fqn)
             if diag:
                 flags[2 * n + i] = 1.0
-        self._remove_diagnosis()
+        self._probe.remove()
         flags[-1] = float(self._nonfinite_reported(engine, layers))
         all_reduce_max_([flags])
         values = flags.tolist()
@@ -307,95 +285,26 @@ class FP8LayerFallback(StatsConsumer, Callback):
                     self._disable(layers[fqn], info["reason"])
 
         enabled = {fqn for fqn, layer in layers.items() if layer.fp8_enabled}
-        # overflow rule
         overflow = {key: values[index[key]] for key in keys if values[index[key]] > 0 and key[0] in enabled}
-        credited = self._attribute("overflow", set(overflow), order)
-        for fqn in list(self._overflow_hits):
-            hits = self._overflow_hits[fqn]
-            while hits and hits[0] <= step - self.overflow_window:
-                hits.popleft()
-        for fqn, roles in credited.items():
-            hits = self._overflow_hits.setdefault(fqn, deque())
-            hits.append(step)
-            if len(hits) >= self.overflow_patience and fqn in enabled:
-                worst = max(roles, key=lambda r: overflow[(fqn, r)])
-                reason = (
-                    f"FP8 overflow originated here in {len(hits)} of the last {self.overflow_window} steps "
-                    f"({', '.join(sorted(roles))}: amax up to {overflow[(fqn, worst)]:.3g}x the range of the cast's "
-                    f"scale, values clipped; step {step})"
-                )
-                self._fall_back(trainer, pl_module, fqn, "overflow", sorted(roles), reason)
+        for fqn, roles, reason in self._rules.overflow_decisions(step, overflow, enabled, order):
+            self._fall_back(trainer, pl_module, fqn, "overflow", roles, reason)
+            enabled.discard(fqn)
+        if record is not None:  # the precision rule runs on steps with statistics only
+            bad = {
+                key: bad_stats_values.get(key, f"{key[1]} out of bounds on another rank")
+                for key in keys
+                if values[n + index[key]] > 0 and key[0] in enabled
+            }
+            for fqn, rule, roles, reason in self._rules.stats_decisions(step, bad, enabled & set(record.layers), order):
+                self._fall_back(trainer, pl_module, fqn, rule, roles, reason)
                 enabled.discard(fqn)
-
-        # precision rule (only on steps with statistics)
-        if record is not None:
-            bad = {key for key in keys if values[n + index[key]] > 0 and key[0] in enabled}
-            credited = self._attribute("stats", bad, order)
-            for fqn in enabled:
-                if fqn not in record.layers:
-                    continue
-                if fqn in credited:
-                    self._stats_streak[fqn] = self._stats_streak.get(fqn, 0) + 1
-                else:
-                    self._stats_streak[fqn] = 0
-                if self._stats_streak[fqn] >= self.stats_patience:
-                    roles = sorted(credited[fqn])
-                    details = "; ".join(bad_stats_values.get((fqn, r), f"{r} out of bounds") for r in roles)
-                    reason = f"{details} in {self._stats_streak[fqn]} consecutive checks (step {step})"
-                    rule = "sqnr" if "SQNR" in details else "underflow"
-                    self._fall_back(trainer, pl_module, fqn, rule, roles, reason)
-            for fqn in list(enabled):
-                if not layers[fqn].fp8_enabled:
-                    enabled.discard(fqn)
-
-        # non-finite rule
-        for i, fqn in enumerate(layer_list):
-            if values[2 * n + i] > 0 and fqn in enabled:
-                self._nonfinite_hits[fqn] = self._nonfinite_hits.get(fqn, 0) + 1
-                if self._nonfinite_hits[fqn] >= self.nonfinite_patience:
-                    reason = (
-                        f"non-finite output from finite input and weight in {self._nonfinite_hits[fqn]} steps "
-                        f"(the non-finite value originates in this layer; step {step})"
-                    )
-                    self._fall_back(trainer, pl_module, fqn, "nonfinite", ["output"], reason)
-                    enabled.discard(fqn)
+        originated = {fqn for i, fqn in enumerate(layer_list) if values[2 * n + i] > 0 and fqn in enabled}
+        for fqn, reason in self._rules.nonfinite_decisions(step, originated):
+            self._fall_back(trainer, pl_module, fqn, "nonfinite", ["output"], reason)
+            enabled.discard(fqn)
         self._diagnose_next = values[-1] > 0
 
         self._retry_due(trainer, pl_module, step, layers)
-
-    def _bad_stats(self, role: str, stats: Dict[str, float]) -> Optional[str]:
-        sqnr = stats["sqnr_db"]
-        if self.min_sqnr_db is not None and sqnr == sqnr and sqnr < self.min_sqnr_db:  # NaN (no signal) is not bad
-            return f"quantization SQNR of {role} {sqnr:.1f} dB below {self.min_sqnr_db:g} dB"
-        under = stats["underflow"]
-        if self.max_underflow is not None and under > self.max_underflow:
-            return f"{under:.0%} of the non-zero {role} values flushed to zero (limit {self.max_underflow:.0%})"
-        return None
-
-    def _attribute(self, kind: str, anomalies: Set[Key], order: Dict[str, int]) -> Dict[str, Set[str]]:
-        """Episode bookkeeping (see the module docstring); returns {origin fqn: its own anomalous roles} for the
-        layers credited with an anomaly this step."""
-        previous = self._episodes[kind]
-        current: Dict[Key, str] = {key: previous[key] for key in anomalies if key in previous}
-        new = [key for key in anomalies if key not in previous]
-        if new:
-            # the step's origin: the first layer (forward order) with an input / weight anomaly, new or ongoing (a
-            # clipping cast delays what the next layer sees by a step, so a downstream episode can start a step
-            # after the upstream one); only gradients anomalous: the first layer the backward pass reaches
-            forward = [key for key in anomalies if key[1] != "grad_output"]
-            if forward:
-                first = min(forward, key=lambda k: order.get(k[0], len(order)))
-            else:
-                first = max(anomalies, key=lambda k: order.get(k[0], -1))
-            origin = current.get(first, first[0])  # an ongoing episode passes on its own origin
-            for key in new:
-                current[key] = origin
-        self._episodes[kind] = current
-        credited: Dict[str, Set[str]] = {}
-        for (fqn, role), origin in current.items():
-            if fqn == origin:
-                credited.setdefault(fqn, set()).add(role)
-        return credited
 
     # -- non-finite diagnosis ----------------------------------------------------------------------------------
     def _nonfinite_reported(self, engine, layers: Dict[str, FP8Linear]) -> bool:
@@ -408,43 +317,6 @@ class FP8LayerFallback(StatsConsumer, Callback):
         before = self._counters or {}
         self._counters = now
         return any(o > before.get(key, (0, 0))[1] for key, (_, o) in now.items())
-
-    def _install_diagnosis(self, pl_module) -> None:
-        self._remove_diagnosis()
-
-        def hook_for(fqn: str):
-            def hook(module, args, output):
-                if not module.fp8_enabled or not args or not isinstance(output, torch.Tensor):
-                    return
-                with torch.no_grad():
-                    flags = (
-                        torch.isfinite(args[0]).all().reshape(1),
-                        torch.isfinite(module.weight).all().reshape(1),
-                        torch.isfinite(output).all().reshape(1),
-                    )
-                previous = self._diag.get(fqn)
-                if previous is not None:  # several calls in a step: any call that originates counts
-                    flags = tuple(torch.cat([p, f.to(p.device)]) for p, f in zip(previous, flags))
-                self._diag[fqn] = flags
-
-            return hook
-
-        for fqn, layer in fp8_layers(pl_module).items():
-            if layer.fp8_enabled:
-                self._diag_hooks.append(layer.register_forward_hook(hook_for(fqn)))
-
-    def _diag_result(self, fqn: str) -> bool:
-        flags = self._diag.get(fqn)
-        if flags is None:
-            return False
-        inp, weight, out = (f.cpu() for f in flags)
-        return bool((inp & weight & ~out).any())
-
-    def _remove_diagnosis(self) -> None:
-        for handle in self._diag_hooks:
-            handle.remove()
-        self._diag_hooks = []
-        self._diag = {}
 
     # -- switching ---------------------------------------------------------------------------------------------
     def _fall_back(self, trainer, pl_module, fqn: str, rule: str, roles: List[str], reason: str) -> None:
@@ -466,9 +338,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
             "retry_at": retry_at,
         }
         self._disable(layer, reason)
-        self._overflow_hits.pop(fqn, None)
-        self._stats_streak.pop(fqn, None)
-        self._nonfinite_hits.pop(fqn, None)
+        self._rules.forget(fqn, episodes=False)
         log.warning("lightning_fp8: layer %s moved to BF16 at step %d: %s", fqn, trainer.global_step, reason)
         self._record_event(trainer, pl_module, "fallback", [fqn], reason, rule=rule, roles=roles)
 
@@ -482,8 +352,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
             layer.fp8_enabled = True  # also clears fp8_disabled_reason
             del self.fallbacks[fqn]
             self._retries[fqn] = self._retries.get(fqn, 0) + 1
-            for kind in self._episodes:
-                self._episodes[kind] = {k: v for k, v in self._episodes[kind].items() if k[0] != fqn and v != fqn}
+            self._rules.forget(fqn)
             reason = f"retry {self._retries[fqn]} of {self.max_retries} in FP8 after {self.retry_after_steps} steps in BF16"
             log.warning("lightning_fp8: layer %s back in FP8 at step %d (%s)", fqn, step, reason)
             self._record_event(trainer, pl_module, "retry", [fqn], reason)
@@ -508,18 +377,14 @@ class FP8LayerFallback(StatsConsumer, Callback):
             "fallbacks": {fqn: dict(info) for fqn, info in self.fallbacks.items()},
             "retries": dict(self._retries),
             "events": list(self.events),
-            "overflow_hits": {fqn: list(hits) for fqn, hits in self._overflow_hits.items()},
-            "stats_streak": dict(self._stats_streak),
-            "nonfinite_hits": dict(self._nonfinite_hits),
+            **self._rules.state_dict(),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.fallbacks = {fqn: dict(info) for fqn, info in state_dict.get("fallbacks", {}).items()}
         self._retries = dict(state_dict.get("retries", {}))
         self.events = list(state_dict.get("events", []))
-        self._overflow_hits = {fqn: deque(hits) for fqn, hits in state_dict.get("overflow_hits", {}).items()}
-        self._stats_streak = dict(state_dict.get("stats_streak", {}))
-        self._nonfinite_hits = dict(state_dict.get("nonfinite_hits", {}))
+        self._rules.load_state_dict(state_dict)
         self._manual_logged = {fqn for fqn, info in self.fallbacks.items() if info.get("manual")}
 
 

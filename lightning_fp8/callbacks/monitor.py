@@ -15,7 +15,7 @@ It appends the same numbers, the precision map and the engine's skip / rollback 
 `<trainer.log_dir>/fp8_history.jsonl` (see `lightning_fp8.report` for the format and the HTML dashboard).
 
 Statistics are sampled only on logging steps: the observers that compute them are installed on the layers for those
-steps and removed afterwards (see `lightning_fp8.callbacks.records`), so the other steps cost nothing.
+steps and removed afterwards (see `lightning_fp8.callbacks.hub`), so the other steps cost nothing.
 """
 from __future__ import annotations
 
@@ -25,16 +25,9 @@ from typing import Any, Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fp8.callbacks.records import (
-    HISTORY_VERSION,
-    STATS,
-    StatsConsumer,
-    StatsRecord,
-    fp8_engine,
-    hub_for,
-    layer_counters,
-    precision_rows,
-)
+from lightning_fp8.callbacks.history_file import HISTORY_VERSION
+from lightning_fp8.callbacks.hub import StatsConsumer, fp8_engine, hub_for, layer_counters, precision_rows
+from lightning_fp8.callbacks.sampling import STATS, StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
 from lightning_fp8.recipe import ROLES

@@ -1,6 +1,6 @@
 """LightningModule for the char-GPT demo: warmup + cosine decay to zero, fixed validation set.
 
-The LR decays to zero because short runs at a constant LR are chaotic (DESIGN.md): a 1% eps change moves the final
+The LR decays to zero because short runs at a constant LR are chaotic (docs/measuring.md): a 1% eps change moves the final
 loss by 1% there, so a precision comparison must end with the LR at zero to mean anything.
 """
 from __future__ import annotations

@@ -87,7 +87,8 @@ def fp8_gemm(
 ) -> Tensor:
     """out = (a * a_scale_inv) @ (b * b_scale_inv) + bias, for FP8 `a` (M, K) and `b` (K, N) in any layout.
 
-    Scales are the dequant scales (1 / the quantization scale), float32 scalars."""
+    Scales are the dequant scales (1 / the quantization scale), float32 scalars. The op has no autograd formula:
+    FP8Linear's autograd function computes every gradient (the bias gradient included) itself."""
     return torch.ops.lightning_fp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum, backend)
 
 
@@ -113,20 +114,6 @@ def _fp8_gemm_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_acc
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm expects 2-D operands")
     torch._check(a.shape[1] == b.shape[0], lambda: f"fp8_gemm: inner dimensions differ: {a.shape} @ {b.shape}")
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-def _fp8_gemm_setup_context(ctx, inputs, output):
-    ctx.bias_dtype = inputs[5].dtype if inputs[5] is not None else None
-
-
-def _fp8_gemm_backward(ctx, grad):
-    # Only the bias can require grad (FP8 tensors cannot); FP8Linear calls the op inside its own autograd.Function
-    # and never reaches this, but a direct caller with a trainable bias gets the right gradient.
-    grad_bias = grad.to(torch.float32).sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
-    return None, None, None, None, None, grad_bias, None, None
-
-
-_fp8_gemm_op.register_autograd(_fp8_gemm_backward, setup_context=_fp8_gemm_setup_context)
 
 
 def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tensor:

@@ -82,6 +82,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.observer = observer
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -106,7 +107,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = fp8_gemm(g_fp8_t, g_scale_inv, x_fp8_t.t(), x_scale.reciprocal(), out_dtype=weight.dtype, backend=recipe.backend)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = g2d.to(torch.float32).sum(0).to(weight.dtype)
+                grad_b = g2d.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

@@ -18,7 +18,7 @@ coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precisi
 Verification status: NOT run on a GPU (none was available while writing it). Under the Triton interpreter on
 CPU (tests/test_optim.py::test_triton_kernel_under_interpreter) one step from the same state matches the
 reference: parameters to float32 rounding, scales, and every stored code except where the interpreter's own
-float8 conversion mis-rounds (it halves values that should round up to a power of two, see DESIGN.md).
+float8 conversion mis-rounds (it halves values that should round up to a power of two, see docs/numerics.md).
 The hardware float8 conversion is checked by tests/test_optim.py -m cuda only.
 Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
 """

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from lightning_fp8.callbacks.records import HISTORY_FILENAME
+from lightning_fp8.callbacks.history_file import HISTORY_FILENAME
 
 ROLES = ("input", "weight", "grad_output")
 
