@@ -1,4 +1,5 @@
 """Convergence of FP8AdamW against torch.optim.AdamW on a small char-level GPT.
+(Length: one self-contained benchmark script: corpus, model, variants, report.)
 
 Corpus: the CPython standard library's own .py files (sorted paths, site-packages excluded), as bytes
 (vocabulary 256), first 90% train / last 10% validation. Model: 2 layers, d_model 128, 4 heads, context 64.

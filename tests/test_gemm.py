@@ -1,4 +1,5 @@
 """FP8 GEMM backends: emulation, the `_scaled_mm` path (layouts, padding, bias rules), the custom op under
+(Length: every GEMM path with its own tolerance, plus the TE stand-in fixture.)
 torch.compile, and the optional Transformer Engine backend's error paths.
 
 Tolerances:

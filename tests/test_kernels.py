@@ -1,4 +1,5 @@
 """Fused cast kernels vs their torch twins (quantize / tensor_amax), and scaled_cast's fused path vs its reference.
+(Length: three tiers of the same kernels share one set of edge-value generators and reference helpers.)
 
 Three tiers:
 - CPU, always: the package imports without triton; the custom ops (reference backend on CPU) match `quantize`;

@@ -1,4 +1,6 @@
 """FP8AdamW: blockwise storage, agreement with torch.optim.AdamW, checkpoints, conversion, schedulers.
+(Length: one module for FP8AdamW's whole surface, storage formats x checkpoints x conversion, sharing the
+error-bound helpers below; splitting it would split those helpers.)
 
 Tolerances come from the formats, not from runs:
 - E4M3 round-to-nearest: in the binade [2^e, 2^(e+1)) the spacing is 2^(e-3), so a normal value is off by at
