@@ -1,5 +1,4 @@
 """Convergence of FP8AdamW against torch.optim.AdamW on a small char-level GPT.
-(Length: one self-contained benchmark script: corpus, model, variants, report.)
 
 Corpus: the CPython standard library's own .py files (sorted paths, site-packages excluded), as bytes
 (vocabulary 256), first 90% train / last 10% validation. Model: 2 layers, d_model 128, 4 heads, context 64.
@@ -26,6 +25,8 @@ Variants:
 
 Usage: python benchmarks/optim_convergence.py [--steps 800] [--seeds 0 1 2] [--variants ...] [--reuse earlier.json]
 Writes benchmarks/results/optim_convergence.json and .md.
+
+(Length: one self-contained benchmark script: corpus, model, variants, report.)
 """
 from __future__ import annotations
 

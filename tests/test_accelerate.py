@@ -1,7 +1,9 @@
 """lightning_fp8.accelerate: FP8Accelerator on CPU (argument, env var, launcher, config file, 2 processes), skip and
-(Length: the adapter's every Accelerate entry point, sharing one model, data and launch helpers.)
 rollback, clipping, gradient accumulation, save/load resume, FP8 optimizer state, non-FP8 behaviour, and loss parity
-with the Lightning plugin."""
+with the Lightning plugin.
+
+(Length: the adapter's every Accelerate entry point, sharing one model, data and launch helpers.)
+"""
 import inspect
 import json
 import math

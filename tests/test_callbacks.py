@@ -1,5 +1,7 @@
-"""FP8ScaleMonitor and FP8LayerFallback with a real Lightning Trainer on CPU, and the statistics behind them."""
+"""FP8ScaleMonitor and FP8LayerFallback with a real Lightning Trainer on CPU, and the statistics behind them.
+
 (Length: two callbacks that share the StatsHub, tested through the same real-Trainer fixtures.)
+"""
 import csv
 import json
 import logging

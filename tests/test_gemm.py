@@ -1,5 +1,4 @@
 """FP8 GEMM backends: emulation, the `_scaled_mm` path (layouts, padding, bias rules), the custom op under
-(Length: every GEMM path with its own tolerance, plus the TE stand-in fixture.)
 torch.compile, and the optional Transformer Engine backend's error paths.
 
 Tolerances:
@@ -9,6 +8,8 @@ Tolerances:
   (rtol 2**-7: each side rounds once, and `_scaled_mm` adds the bias already rounded to bf16), plus
   atol 2**-8 * max|bias| for that bias rounding.
 - FP8Linear compiled vs eager: bit-exact (same ops, same order, aot_eager runs the eager kernels).
+
+(Length: every GEMM path with its own tolerance, plus the TE stand-in fixture.)
 """
 from __future__ import annotations
 

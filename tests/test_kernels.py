@@ -1,5 +1,4 @@
 """Fused cast kernels vs their torch twins (quantize / tensor_amax), and scaled_cast's fused path vs its reference.
-(Length: three tiers of the same kernels share one set of edge-value generators and reference helpers.)
 
 Three tiers:
 - CPU, always: the package imports without triton; the custom ops (reference backend on CPU) match `quantize`;
@@ -13,6 +12,8 @@ Three tiers:
   dtypes / edge values; stochastic rounding with given noise; FP8Linear fused vs reference.
 Tolerances: none for casts and amaxes (bit-exact; NaN compared as NaN, the hardware cvt may drop NaN's sign).
 Statistical tests use 6 standard deviations of the binomial / uniform estimate.
+
+(Length: three tiers of the same kernels share one set of edge-value generators and reference helpers.)
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
 """FP8AdamW: blockwise storage, agreement with torch.optim.AdamW, checkpoints, conversion, schedulers.
-(Length: one module for FP8AdamW's whole surface, storage formats x checkpoints x conversion, sharing the
-error-bound helpers below; splitting it would split those helpers.)
 
 Tolerances come from the formats, not from runs:
 - E4M3 round-to-nearest: in the binade [2^e, 2^(e+1)) the spacing is 2^(e-3), so a normal value is off by at
@@ -11,6 +9,9 @@ Tolerances come from the formats, not from runs:
 - Block scales are float32 and the dequantizing multiply rounds once more: 2^-22 relative slack.
 A parameter update u = m_hat / (sqrt(v_hat) + eps) then carries the moment errors through the AdamW formula;
 `_update_error_bound` writes that propagation out element by element.
+
+(Length: one module for FP8AdamW's whole surface, storage formats x checkpoints x conversion, sharing the
+error-bound helpers below; splitting it would split those helpers.)
 """
 from __future__ import annotations
 
