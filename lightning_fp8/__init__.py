@@ -9,10 +9,17 @@ Public entry points (docs/architecture.md maps where each lives):
     from lightning_fp8.optim import FP8AdamW
 """
 from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
-from lightning_fp8.conversion import convert_to_fp8, fp8_layers, precision_map, revert_fp8
+from lightning_fp8.conversion import (
+    convert_to_fp8,
+    fp8_layers,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    precision_map,
+    revert_fp8,
+)
 from lightning_fp8.engine import FP8DivergenceError
 from lightning_fp8.integrations.lightning import FP8Precision
-from lightning_fp8.modules import FP8EmulationWarning, FP8Linear, fp8_autocast
+from lightning_fp8.modules import FP8EmulationWarning, FP8Layer, FP8Linear, fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
 
 __version__ = "0.1.0"
@@ -21,10 +28,13 @@ __all__ = [
     "FP8Recipe",
     "FP8Precision",
     "FP8Linear",
+    "FP8Layer",
     "convert_to_fp8",
     "revert_fp8",
     "precision_map",
     "fp8_layers",
+    "fp8_state_dict",
+    "load_fp8_state_dict",
     "fp8_autocast",
     "FP8ScaleMonitor",
     "FP8LayerFallback",

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import mlp, regression_data  # noqa: E402
 
+from lightning_fp8 import fp8_state_dict  # noqa: E402
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def main(out_dir: str, overflow_step: int) -> None:
             skipped.append(optimizer.step_was_skipped)
             step += 1
     state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+    state.update({k: v.detach().clone() for k, v in fp8_state_dict(inner).items()})
     state["losses"] = torch.tensor(losses)
     state["skipped_at"] = torch.tensor([i for i, s in enumerate(skipped) if s])
     state["counters"] = torch.tensor([accelerator.skipped_steps, accelerator.rollbacks, accelerator.loss_scale])

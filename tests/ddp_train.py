@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import RegressionModule, regression_data, trainer  # noqa: E402
 
-from lightning_fp8 import FP8Precision  # noqa: E402
+from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 
@@ -31,6 +31,7 @@ def main(out_dir: str) -> None:
     t = trainer(plugins=[plugin], strategy="ddp", devices=2, max_epochs=2)
     t.fit(model, DataLoader(regression_data(256), batch_size=16, shuffle=False))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({k: v.detach().clone() for k, v in fp8_state_dict(model).items()})
     state["loss_scale"] = torch.tensor(plugin.loss_scale)
     state["skipped_steps"] = torch.tensor(plugin.skipped_steps)
     state["skip_steps"] = torch.tensor([e["step"] for e in plugin.engine.events if e["kind"] == "skip"])

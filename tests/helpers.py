@@ -73,3 +73,10 @@ def trainer(**kwargs):
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+def full_state(model):
+    """A converted model's whole state: its state_dict plus the FP8 metadata (which the state_dict leaves out)."""
+    from lightning_fp8 import fp8_state_dict
+
+    return {**model.state_dict(), **fp8_state_dict(model)}

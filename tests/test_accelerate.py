@@ -21,8 +21,8 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import AutocastKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import RegressionModule, loader, mlp, trainer
-from lightning_fp8 import FP8Linear, FP8Precision, precision_map
+from helpers import RegressionModule, full_state, loader, mlp, trainer
+from lightning_fp8 import FP8Linear, FP8Precision, fp8_state_dict, precision_map
 from lightning_fp8.accelerate import FP8Accelerator, FP8AcceleratedOptimizer, FP8Kwargs
 from lightning_fp8.modules.autocast import current_state
 
@@ -191,11 +191,11 @@ def test_preset_and_fp8_eval_off():
     _train(accelerator, model, optimizer, list(loader())[:2])
     seen = []
     model[2].register_forward_hook(lambda m, i, o: seen.append(current_state().enabled))
-    before = {k: v.clone() for k, v in model.state_dict().items() if "fp8_meta" in k}
+    before = {k: v.clone() for k, v in fp8_state_dict(model).items()}
     model.eval()
     with torch.no_grad():
         assert model(torch.randn(4, 32)).dtype == torch.float32
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)  # scales untouched
+    assert before and all(torch.equal(before[k], v) for k, v in fp8_state_dict(model).items())  # scales untouched
     model.train()
     model(torch.randn(4, 32))
     assert seen == [False, True]  # eval in the compute dtype, training in FP8
@@ -210,7 +210,7 @@ def test_nan_weight_skips_the_step_and_rolls_back():
 
     def corrupt(i):
         if i == 5:
-            good.update({k: v.clone() for k, v in model.state_dict().items()})
+            good.update({k: v.clone() for k, v in full_state(model).items()})
             with torch.no_grad():
                 model[2].weight[0, 0] = float("nan")
 
@@ -221,7 +221,7 @@ def test_nan_weight_skips_the_step_and_rolls_back():
     event = accelerator.fp8_engine.events[-1]
     assert event["kind"] == "rollback" and event["reason"] == "non-finite loss" and event["restored_to_step"] == 5
     # restored to the snapshot taken after step 5: exactly the state before the corruption, FP8 metadata included
-    assert all(torch.equal(v, good[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, good[k]) for k, v in full_state(model).items())
     assert scheduler.scheduler.last_epoch == 5  # Accelerate does not step the scheduler after a skipped step
     losses, skipped = _train(accelerator, model, optimizer, batches[6:], scheduler=scheduler)
     assert not any(skipped) and all(math.isfinite(l) for l in losses)
@@ -287,7 +287,7 @@ def test_save_and_load_state_resume_bit_identically(tmp_path):
     accelerator.fp8_engine.scaler.scale = 512.0  # a loss-scaler state the defaults would not reproduce
     accelerator.save_state(tmp_path / "ckpt")
     expected = _train(accelerator, model, optimizer, batches[3:], scheduler=scheduler, clip=0.05)
-    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_state = {k: v.clone() for k, v in full_state(model).items()}
     assert (tmp_path / "ckpt" / "custom_checkpoint_0.pkl").exists()
 
     AcceleratorState._reset_state(True)
@@ -296,7 +296,7 @@ def test_save_and_load_state_resume_bit_identically(tmp_path):
     accelerator.load_state(tmp_path / "ckpt")
     assert accelerator.fp8_engine.step_count == 3 and accelerator.loss_scale == 512.0
     assert _train(accelerator, model, optimizer, batches[3:], scheduler=scheduler, clip=0.05) == expected
-    assert all(torch.equal(v, expected_state[k]) for k, v in model.state_dict().items())  # FP8 metadata included
+    assert all(torch.equal(v, expected_state[k]) for k, v in full_state(model).items())  # FP8 metadata included
 
 
 def test_loading_a_checkpoint_without_fp8_state_fails_clearly(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_autocast, precision_map, revert_fp8
+from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8, fp8_autocast, fp8_state_dict, precision_map, revert_fp8
 
 
 class Block(nn.Module):
@@ -63,9 +63,9 @@ def test_convert_twice_is_noop_and_parameters_survive():
     convert_to_fp8(model)
     assert model[1].fc1 is layer
     assert {name: p for name, p in model.named_parameters()} == params
-    # the state_dict keys of nn.Linear are kept; FP8 metadata is added beside them
-    keys = set(model.state_dict())
-    assert "1.fc1.weight" in keys and "1.fc1.fp8_meta.input.scale" in keys
+    # the state_dict keys are exactly those of the unconverted model; FP8 metadata travels in fp8_state_dict
+    assert set(model.state_dict()) == set(_model().state_dict())
+    assert "1.fc1.fp8_meta.input.scale" in fp8_state_dict(model)
 
 
 def test_revert_restores_plain_linears():

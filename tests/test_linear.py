@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import sqnr_db
-from lightning_fp8 import FP8Linear, FP8Recipe, fp8_autocast
+from lightning_fp8 import FP8Linear, FP8Recipe, fp8_autocast, fp8_state_dict, load_fp8_state_dict
 
 # (tokens, in_features, out_features): a GPT-2-small MLP up-projection and attention projection, a larger FFN
 SHAPES = [(512, 768, 3072), (256, 1024, 1024), (256, 2048, 512)]
@@ -124,15 +124,31 @@ def test_state_dict_round_trip_is_exact_and_loads_weights_only():
     layer = FP8Linear(32, 16)
     _train_steps(layer)
     sd = layer.state_dict()
-    assert {"weight", "bias", "fp8_meta.input.scale", "fp8_meta.grad_output.amax_history", "fp8_meta.enabled"} <= set(sd)
+    assert set(sd) == {"weight", "bias"}  # the keys of nn.Linear: loads into a plain nn.Linear
+    nn.Linear(32, 16).load_state_dict(sd)
+    meta = fp8_state_dict(layer)
+    assert {"fp8_meta.input.scale", "fp8_meta.grad_output.amax_history", "fp8_meta.enabled"} <= set(meta)
     buf = io.BytesIO()
-    torch.save(sd, buf)
+    torch.save({"model": sd, "fp8": meta}, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     other = FP8Linear(32, 16)
-    other.load_state_dict(loaded)
+    other.load_state_dict(loaded["model"])
+    load_fp8_state_dict(other, loaded["fp8"])
     for key, value in layer.state_dict().items():
         assert torch.equal(value, other.state_dict()[key]), key
+    other_meta = fp8_state_dict(other)
+    for key, value in meta.items():
+        assert torch.equal(value, other_meta[key]), key
+
+
+def test_state_dict_with_fp8_metadata_from_an_earlier_version_still_loads():
+    layer = FP8Linear(32, 16)
+    _train_steps(layer)
+    old_format = {**layer.state_dict(), **fp8_state_dict(layer)}
+    other = FP8Linear(32, 16)
+    other.load_state_dict(old_format)  # strict
+    assert torch.equal(other.fp8_meta.input.amax_history, layer.fp8_meta.input.amax_history)
 
 
 def test_plain_linear_checkpoint_loads_into_fp8_linear():
@@ -147,7 +163,7 @@ def test_precision_switch_survives_checkpoint():
     layer = FP8Linear(32, 16)
     layer.fp8_enabled = False
     other = FP8Linear(32, 16)
-    other.load_state_dict(layer.state_dict())
+    load_fp8_state_dict(other, fp8_state_dict(layer))
     assert other.fp8_enabled is False
 
 

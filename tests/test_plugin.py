@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from helpers import RegressionModule, loader, trainer
-from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, precision_map
+from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, fp8_state_dict, precision_map
 
 
 def _fp8_layers(module):
@@ -32,12 +32,12 @@ def test_fit_validate_test_predict_in_fp8(in_configure_model):
     assert model.losses[-1] < model.losses[0]
     assert torch.get_default_dtype() == default_dtype
     # evaluation in FP8 never touches the training scales
-    before = {k: v.clone() for k, v in model.state_dict().items() if "fp8_meta" in k}
+    before = {k: v.clone() for k, v in fp8_state_dict(model).items()}
     assert t.validate(model, loader(64), verbose=False)[0]["val_loss"] > 0
     assert t.test(model, loader(64), verbose=False)[0]["test_loss"] > 0
     preds = t.predict(model, loader(64))
     assert preds[0].dtype == torch.bfloat16
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
+    assert before and all(torch.equal(before[k], v) for k, v in fp8_state_dict(model).items())
 
 
 def test_eval_can_run_in_bf16():

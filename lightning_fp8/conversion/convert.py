@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 from torch import nn
 
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, ModuleFilter, default_skip_reason, filter_reason
-from lightning_fp8.modules.linear import FP8Linear
+from lightning_fp8.modules.linear import FP8Layer, FP8Linear
 from lightning_fp8.recipe import FP8Recipe
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def convert_to_fp8(
     first_fqn, last_fqn = linears[0][0], linears[-1][0]
     decisions: Dict[str, Optional[str]] = {}
     for fqn, module in linears:
-        if isinstance(module, FP8Linear):
+        if isinstance(module, FP8Layer):
             continue
         if module_filter is not None:
             decisions[fqn] = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
@@ -69,11 +69,11 @@ def convert_to_fp8(
 
 def revert_fp8(model: nn.Module) -> nn.Module:
     """Undo `convert_to_fp8`: FP8Linear layers become nn.Linear again (same Parameters); returns the model."""
-    if isinstance(model, FP8Linear):
-        return _to_linear(model)
+    if isinstance(model, FP8Layer):
+        return model.to_unconverted()
     for fqn, module in list(model.named_modules()):
-        if isinstance(module, FP8Linear):
-            _replace(model, fqn, _to_linear(module))
+        if isinstance(module, FP8Layer):
+            _replace(model, fqn, module.to_unconverted())
         elif isinstance(module, nn.Linear) and hasattr(module, SKIP_REASON_ATTR):
             delattr(module, SKIP_REASON_ATTR)
     return model
@@ -83,7 +83,7 @@ def precision_map(model: nn.Module) -> List[LayerPrecision]:
     """Every linear of the model: FP8 or BF16, and why."""
     rows = []
     for fqn, module in _linears(model):
-        if isinstance(module, FP8Linear):
+        if isinstance(module, FP8Layer):
             if module.fp8_enabled:
                 rows.append(LayerPrecision(fqn, "fp8", "converted"))
             else:
@@ -93,17 +93,9 @@ def precision_map(model: nn.Module) -> List[LayerPrecision]:
     return rows
 
 
-def fp8_layers(model: nn.Module) -> Dict[str, FP8Linear]:
-    """The model's FP8Linear layers by fully qualified name, in module order."""
-    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Linear)}
-
-
-def _to_linear(module: FP8Linear) -> nn.Linear:
-    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-    linear.weight = module.weight
-    linear.bias = module.bias
-    linear.train(module.training)
-    return linear
+def fp8_layers(model: nn.Module) -> Dict[str, FP8Layer]:
+    """The model's FP8 layers (FP8Linear and every other FP8Layer) by fully qualified name, in module order."""
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Layer)}
 
 
 def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:

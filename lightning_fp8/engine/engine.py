@@ -29,9 +29,10 @@ from lightning_fp8.engine import clipping
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
+from lightning_fp8.engine.scales import ModelScales
 from lightning_fp8.engine.snapshot import Snapshot
 from lightning_fp8.modules.linear import FP8Linear
-from lightning_fp8.recipe import ROLES, FP8Recipe
+from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
 
@@ -76,7 +77,7 @@ class FP8TrainingEngine:
         self._rollback_steps: Deque[int] = deque()
         self._loss_window: Deque[float] = deque(maxlen=self.config.spike_window)
         self._snapshot: Optional[Snapshot] = None
-        self._overflow_baseline: Optional[torch.Tensor] = None
+        self.scales = ModelScales({})
         self._losses: List[torch.Tensor] = []
         self._unscaled: set = set()
         self._grads_nonfinite = False
@@ -89,12 +90,12 @@ class FP8TrainingEngine:
         self.layers = fp8_layers(model)
         for layer in self.layers.values():
             layer.autoupdate_scales = False
-        self.resync()
+        self.scales = ModelScales(self.layers)
 
     def resync(self) -> None:
         """Take the layers' overflow counters as the baseline (after attaching, or after loading FP8 state from a
         checkpoint), so only overflows that happen from now on count against a step."""
-        self._overflow_baseline = self._overflow_counts()
+        self.scales.resync()
 
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
         if not any(opt is optimizer for opt in self.optimizers):
@@ -175,7 +176,7 @@ class FP8TrainingEngine:
             self._event("skip", skip_reason, overflow_layers)
             log.info("lightning_fp8: step %d skipped (%s)", self.step_count, skip_reason)
         self.scaler.update(overflow=grads_bad or amax_bad or loss_bad)
-        self.update_scales()
+        self.scales.close_step(taken=result.stepped)
 
         rollback_reason = None
         if loss_bad:
@@ -203,31 +204,12 @@ class FP8TrainingEngine:
         self._end_step()
 
     # -- scales -------------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def update_scales(self) -> None:
-        """All-reduce the step's amaxes across ranks (one collective), then update every layer's scales."""
-        if not self.layers:
-            return
-        slots = [getattr(layer.fp8_meta, role).amax_history[:1] for layer in self.layers.values() for role in ROLES]
-        all_reduce_max_(slots)
-        for layer in self.layers.values():
-            layer.update_scales()
-
-    def _overflow_counts(self) -> torch.Tensor:
-        counts = [getattr(layer.fp8_meta, role).overflow_count for layer in self.layers.values() for role in ROLES]
-        if not counts:
-            return torch.zeros(0, dtype=torch.int64)
-        device = counts[0].device
-        return torch.stack([c.to(device) for c in counts]).cpu()  # one device-to-host transfer
+        """Close a scaling step outside `step` (calibration does, once per calibration batch)."""
+        self.scales.close_step(taken=True)
 
     def _new_overflows(self) -> List[str]:
-        counts = self._overflow_counts()
-        if self._overflow_baseline is None or self._overflow_baseline.shape != counts.shape:
-            self._overflow_baseline = torch.zeros_like(counts)
-        new = (counts - self._overflow_baseline).tolist()
-        self._overflow_baseline = counts
-        names = [f"{fqn}.{role}" for fqn in self.layers for role in ROLES]
-        overflowed = [name for name, n in zip(names, new) if n > 0]
+        overflowed = self.scales.new_overflows()
         self.overflow_events.update(overflowed)
         return overflowed
 

@@ -1,8 +1,9 @@
 """Rollback snapshots: the last known-good training state, kept in host memory.
 
-A snapshot holds everything a step can change: model parameters and buffers (which include every layer's FP8
-scaling state), each optimizer's state, and the engine's own state (loss scaler). Restoring copies values back into
-the live tensors in place, so optimizer references to Parameters stay valid.
+A snapshot holds everything a step can change: model parameters and buffers, every layer's FP8 scaling state
+(`fp8_state_dict`, which the model's state_dict leaves out), each optimizer's state, and the engine's own state (loss
+scaler). Restoring copies values back into the live tensors in place, so optimizer references to Parameters stay
+valid.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any, Dict, List
 
 import torch
 from torch import nn
+
+from lightning_fp8.conversion.state import fp8_state_dict
 
 
 def _to_host(obj: Any) -> Any:
@@ -27,6 +30,7 @@ class Snapshot:
     def __init__(self, step: int, model: nn.Module, optimizers: List[torch.optim.Optimizer], extra: Dict[str, Any]):
         self.step = step
         self.model_state = _to_host(model.state_dict())
+        self.fp8_state = _to_host(fp8_state_dict(model))  # FP8 metadata is not in the model's state_dict
         self.optimizer_states = [_to_host(opt.state_dict()) for opt in optimizers]
         self.extra = copy.deepcopy(extra)
 
@@ -35,6 +39,9 @@ class Snapshot:
         live = model.state_dict()
         for key, value in self.model_state.items():
             live[key].copy_(value)
+        live_fp8 = fp8_state_dict(model)
+        for key, value in self.fp8_state.items():
+            live_fp8[key].copy_(value)
         for module in model.modules():  # buffers written in place: python-side mirrors must follow
             sync = getattr(module, "sync_precision_flag", None)
             if callable(sync):

@@ -14,12 +14,11 @@ import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import convert_to_fp8
+from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
-
-FP8_META_MARKER = ".fp8_meta."
 
 
 class FP8PrecisionCore:
@@ -86,7 +85,12 @@ class FP8PrecisionCore:
 
     # -- checkpoint state ---------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"engine": self.engine.state_dict(), "preset": self.preset}
+        """Engine state (loss scaler, counters, events) and every FP8 layer's metadata (`fp8_state_dict`), which the
+        model's own state_dict leaves out."""
+        state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
+        if self._module is not None:
+            state["fp8_meta"] = fp8_state_dict(self._module)
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.engine.load_state_dict(state_dict["engine"])
@@ -98,7 +102,7 @@ class FP8PrecisionCore:
             )
         meta = state_dict.get("fp8_meta")
         if meta and self._module is not None:
-            load_fp8_meta(self._module, meta)
+            load_fp8_state_dict(self._module, meta)
         self.engine.resync()
 
 
@@ -117,20 +121,3 @@ def exclude_fp8_meta_from_ddp_broadcast(module: nn.Module) -> None:
     if names:
         existing = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(set(existing + names)))
-
-
-def split_fp8_meta(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Remove the FP8 metadata entries from a model state_dict (in place) and return them."""
-    keys = [k for k in state_dict if FP8_META_MARKER in f".{k}"]
-    return {k: state_dict.pop(k) for k in keys}
-
-
-def load_fp8_meta(module: nn.Module, meta: Dict[str, torch.Tensor]) -> None:
-    result = module.load_state_dict(meta, strict=False)
-    if result.unexpected_keys:
-        raise RuntimeError(
-            "lightning_fp8: the checkpoint holds FP8 metadata for layers this model does not have in FP8: "
-            f"{result.unexpected_keys[:5]}{' ...' if len(result.unexpected_keys) > 5 else ''}"
-        )
-
-

@@ -4,8 +4,8 @@ Fabric drives the same FP8TrainingEngine as the Trainer plugin. `fabric.backward
 `fabric.clip_gradients(model, optimizer, max_norm=..., error_if_nonfinite=False)` unscales first (pass
 error_if_nonfinite=False: a non-finite norm then skips the step instead of raising), and `optimizer.step()` goes
 through the engine, which skips non-finite steps and rolls back. Save the plugin with your checkpoint
-(`fabric.save(path, {"model": m, "optimizer": o, "fp8": plugin})`) to resume with the loss scaler and counters; the
-layers' FP8 metadata is in the model's state_dict.
+(`fabric.save(path, {"model": m, "optimizer": o, "fp8": plugin})`) to resume with the loss scaler, the counters and
+every layer's FP8 metadata (scales, amax histories), which the model's own state_dict leaves out.
 """
 from __future__ import annotations
 

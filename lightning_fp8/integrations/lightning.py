@@ -18,7 +18,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
-from lightning_fp8.integrations._core import FP8PrecisionCore, split_fp8_meta
+from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.integrations._options import FP8Options, option_names
 from lightning_fp8.recipe import FP8Recipe
 
@@ -152,14 +152,10 @@ class FP8Precision(FP8PrecisionCore, Precision):
             return
         log_dict(self.engine.metrics(), on_step=True, on_epoch=False, prog_bar=False, logger=bool(trainer.loggers))
 
-    # -- checkpoints --------------------------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        # Lightning restores module weights *before* the precision plugin converts the module, so FP8 metadata in
-        # checkpoint["state_dict"] would break a strict load. It travels in the plugin's own entry instead and is
-        # loaded in load_state_dict, once the model is converted. A side benefit: the checkpoint's state_dict loads
-        # into the plain (unconverted) model, e.g. through LightningModule.load_from_checkpoint.
-        meta = split_fp8_meta(checkpoint.get("state_dict", {}))
-        checkpoint.setdefault(type(self).__qualname__, self.state_dict())["fp8_meta"] = meta
+    # Checkpoints: Lightning stores `state_dict()` (engine state and every layer's FP8 metadata, see
+    # FP8PrecisionCore.state_dict) under the plugin's entry and hands it back to `load_state_dict` after
+    # `convert_module`. The model's own state_dict has no FP8 entries, so every checkpoint loads into the plain model
+    # as well (LightningModule.load_from_checkpoint, weights-only checkpoints).
 
 
 __all__ = ["FP8Precision"]

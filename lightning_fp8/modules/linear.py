@@ -111,27 +111,22 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-class FP8Linear(nn.Linear):
-    """nn.Linear whose GEMMs run in FP8 (see the module docstring for the recipe per GEMM).
+class FP8Layer(nn.Module):
+    """What every FP8 layer shares, whatever linear-like class it extends: the FP8 metadata (`fp8_meta`), the
+    precision switch, the scale update and the forward that runs the three GEMMs in FP8.
 
-    It keeps nn.Linear's `weight` and `bias` Parameters and state_dict keys; the FP8 metadata lives under
-    `fp8_meta.*`. A checkpoint of a plain nn.Linear loads into it (the metadata is initialised).
+    A concrete FP8 layer is `FP8Layer` mixed into a linear-like module class that has `weight`, `bias`,
+    `in_features` and `out_features` (FP8Linear: `class FP8Linear(FP8Layer, nn.Linear)`). It tells the FP8 path how
+    its weight maps onto y = x W^T + b through `fp8_weight()` (for nn.Linear the weight itself, (out, in)).
 
-    `fp8_enabled = False` makes the layer compute like nn.Linear in the compute dtype (BF16 under autocast), with no
-    FP8 cast: this is the switch per-layer fallback uses. The switch is saved in the state_dict.
+    The FP8 metadata is not part of the layer's `state_dict` (a plain model loads the weights of a converted one,
+    and exports such as `save_pretrained` keep the keys of the original model): `lightning_fp8.fp8_state_dict` and
+    `load_fp8_state_dict` carry it, and every adapter's checkpoint includes it. A state_dict that does contain
+    `fp8_meta.*` entries (written by an earlier version) still loads them.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        recipe: Optional[FP8Recipe] = None,
-    ) -> None:
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(recipe, device=self.weight.device)
+    in_features: int
+    out_features: int
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
         self.recipe = recipe if recipe is not None else FP8Recipe()
@@ -145,19 +140,11 @@ class FP8Linear(nn.Linear):
         #: samples statistics through it); None costs nothing
         self.fp8_observer = None
         self.register_load_state_dict_post_hook(_sync_enabled_flag_after_load)
+        self._register_state_dict_hook(_drop_fp8_meta_from_state_dict)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Optional[FP8Recipe] = None) -> "FP8Linear":
-        """Wrap an existing linear, reusing its Parameters (optimizer references and weight tying survive)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features = linear.in_features
-        new.out_features = linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new.train(linear.training)
-        new._init_fp8(recipe, device=linear.weight.device)
-        return new
+    def fp8_weight(self) -> torch.Tensor:
+        """The weight as the (out_features, in_features) matrix of y = x W^T + b (a view, never a copy)."""
+        return self.weight
 
     # -- precision switch ---------------------------------------------------------------------------------------
     @property
@@ -192,25 +179,30 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast_state = current_state()
         recipe = autocast_state.recipe or self.recipe
+        weight = self.fp8_weight()
         if autocast_state.calibrating:
-            self._record_calibration(x, recipe)
-            return F.linear(x, self.weight, self.bias)
+            self._record_calibration(x, weight)
+            return F.linear(x, weight, self.bias)
         if not (self._fp8_enabled and autocast_state.enabled):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         training = self.training and torch.is_grad_enabled()
         if training and self.autoupdate_scales and self._pending_update():
             self.update_scales(recipe)
         observer = self.fp8_observer
         if observer is not None:
             observer("input", x)
-            observer("weight", self.weight)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.fp8_meta, recipe, training, observer)
+            observer("weight", weight)
+        return _FP8LinearFunction.apply(x, weight, self.bias, self.fp8_meta, recipe, training, observer)
 
     @torch.no_grad()
-    def _record_calibration(self, x: torch.Tensor, recipe: FP8Recipe) -> None:
+    def _record_calibration(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         # nothing is cast while calibrating: only the amaxes are observed (no clip or overflow is counted)
         self.fp8_meta.input.observe_amax(tensor_amax(x))
-        self.fp8_meta.weight.observe_amax(tensor_amax(self.weight))
+        self.fp8_meta.weight.observe_amax(tensor_amax(weight))
+
+    def to_unconverted(self) -> nn.Module:
+        """The original (high-precision) layer with the same Parameters: what `revert_fp8` puts back."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to revert itself")
 
     def reset_fp8_state(self) -> None:
         """Forget every role's scale and amax history (e.g. before retrying FP8 after a fallback: old scales may be
@@ -227,5 +219,54 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, format={self.recipe.format}, scaling={self.recipe.scaling}, precision={precision}"
 
 
-def _sync_enabled_flag_after_load(module: FP8Linear, incompatible_keys) -> None:
+class FP8Linear(FP8Layer, nn.Linear):
+    """nn.Linear whose GEMMs run in FP8 (see the module docstring for the recipe per GEMM).
+
+    It keeps nn.Linear's `weight` and `bias` Parameters and state_dict keys; the FP8 metadata lives in `fp8_meta`
+    (outside the state_dict: see FP8Layer).
+
+    `fp8_enabled = False` makes the layer compute like nn.Linear in the compute dtype (BF16 under autocast), with no
+    FP8 cast: this is the switch per-layer fallback uses.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        recipe: Optional[FP8Recipe] = None,
+    ) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8(recipe, device=self.weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Optional[FP8Recipe] = None) -> "FP8Linear":
+        """Wrap an existing linear, reusing its Parameters (optimizer references and weight tying survive)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features = linear.in_features
+        new.out_features = linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._init_fp8(recipe, device=linear.weight.device)
+        return new
+
+    def to_unconverted(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = self.weight
+        linear.bias = self.bias
+        linear.train(self.training)
+        return linear
+
+
+def _sync_enabled_flag_after_load(module: FP8Layer, incompatible_keys) -> None:
     module.sync_precision_flag()
+
+
+def _drop_fp8_meta_from_state_dict(module: FP8Layer, state_dict, prefix: str, local_metadata) -> None:
+    """The layer's state_dict holds what the original layer's did (see FP8Layer): drop the FP8 metadata entries."""
+    for key in [k for k in state_dict if k.startswith(prefix + "fp8_meta.")]:
+        del state_dict[key]
