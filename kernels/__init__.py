@@ -76,7 +76,7 @@ def in_kernel_rand() -> bool:
     return _env_flag("LIGHTNING_FP8_TRITON_RAND")
 
 
-from lightning_fp8.kernels.ops import fp8_amax, fp8_cast  # noqa: E402  (registers the custom ops)
+from lightning_fp8.kernels.ops import fp8_amax, fp8_cast, materializes_transpose, scaled_cast  # noqa: E402
 
 __all__ = [
     "triton_available",
@@ -88,5 +88,7 @@ __all__ = [
     "in_kernel_rand",
     "fp8_cast",
     "fp8_amax",
+    "scaled_cast",
+    "materializes_transpose",
     "KERNEL_INPUT_DTYPES",
 ]

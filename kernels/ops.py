@@ -1,7 +1,19 @@
-"""`torch.library` custom ops around the cast kernels, so `torch.compile` traces them as opaque nodes.
+"""`torch.library` custom ops around the device kernels, so `torch.compile` traces each as one opaque node and a
+count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's launches are stated below).
 
   lightning_fp8::fp8_cast(x, scale, fmt, noise?, seed?, skip_if?, write_row, write_t, compute_amax)
       -> (x_fp8 [M,N] or empty, x_fp8^T [N,M] or empty, amax float32 0-d (0 where not computed))
+      a cast with a known scale (1 launch).
+  lightning_fp8::scaled_cast(x, history!, role, fmt, scaling, algo_max, margin, power_of_2, noise?, seed?, write_t,
+                             record)
+      -> (x_fp8 [M,N], x_fp8^T [N,M] or empty, scale 0-d, scale_inv 0-d)
+      the state-driven cast of FP8Layer: the scale derived from the role's amax history (delayed) or this tensor's
+      amax (current), and this tensor's amax max-accumulated into history[role, 0] (mutated) when `record`.
+      CUDA: 2 launches (delayed: a pre-pass that exits at once once the history sizes the scale; current: amax,
+      then cast), 1 without scaling. x_fp8^T is materialised only where the kernel writes it in the same pass (CUDA);
+      elsewhere it is empty and callers use x_fp8.t() (the emulated GEMM reads any layout).
+  lightning_fp8::close_scaling_step(history!, overflow_count!, clip_count!, constants..., taken)
+      closing the step in progress of one layer's three roles (numerics.scaling.close_step), in place.
 
 Each op runs the Triton kernel where it can (CUDA tensor, triton importable, not disabled; or a CPU tensor under
 TRITON_INTERPRET=1) and the torch reference (`reference.py`) everywhere else, so the op is valid on every device
@@ -15,6 +27,8 @@ import torch
 
 from lightning_fp8.kernels import reference, triton_available, triton_enabled_for, use_soft_cast
 from lightning_fp8.numerics.formats import get_format
+
+SCALINGS = ("delayed", "current", "none")
 
 Tensor = torch.Tensor
 
@@ -35,6 +49,11 @@ def fp8_cast_op(
     write_t: bool,
     compute_amax: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
+        return _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, compute_amax)
+
+
+def _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, compute_amax):
     f = get_format(fmt)
     if triton_enabled_for(x):
         from lightning_fp8.kernels.triton_cast import launch_cast
@@ -129,4 +148,143 @@ def fp8_amax(x: Tensor, skip_if: Optional[Tensor] = None) -> Tensor:
     return fp8_cast(x, None, "e4m3", write_row=False, write_t=False, compute_amax=True, skip_if=skip_if)[2]
 
 
-__all__ = ["fp8_cast", "fp8_amax", "fp8_cast_op", "triton_available"]
+@torch.library.custom_op("lightning_fp8::scaled_cast", mutates_args=("history",))
+def scaled_cast_op(
+    x: Tensor,
+    history: Tensor,
+    role: int,
+    fmt: str,
+    scaling: str,
+    algo_max: bool,
+    margin: int,
+    power_of_2: bool,
+    noise: Optional[Tensor],
+    seed: Optional[Tensor],
+    write_t: bool,
+    record: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
+        return _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t,
+                                 record)
+
+
+def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record):
+    f = get_format(fmt)
+    if triton_enabled_for(x):
+        from lightning_fp8.kernels.triton_cast import launch_scaled_cast
+
+        out, out_t, scale, scale_inv = launch_scaled_cast(
+            x,
+            history[role],
+            f,
+            scaling,
+            algo_max,
+            margin,
+            power_of_2,
+            write_t=write_t,
+            record=record,
+            noise=noise.reshape(x.shape) if noise is not None else None,
+            seed=seed,
+            hw_cast=not use_soft_cast(x),
+        )
+        out = out.view(f.dtype)
+        out_t = out_t.view(f.dtype) if out_t is not None else _empty(x, f.dtype)
+        return out, out_t, scale, scale_inv
+    q, scale = reference.scaled_cast_reference(
+        x,
+        history,
+        role,
+        f,
+        scaling,
+        algo_max,
+        margin,
+        power_of_2,
+        noise=noise.reshape(x.shape) if noise is not None else None,
+        generator=_generator_from_seed(seed),
+        stochastic=seed is not None,
+        record=record,
+    )
+    return q.contiguous(), _empty(x, f.dtype), scale, scale.reciprocal()
+
+
+@scaled_cast_op.register_fake
+def _scaled_cast_fake(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record):
+    torch._check(x.dim() == 2, lambda: "scaled_cast expects a 2-D tensor")
+    dtype = get_format(fmt).dtype
+    m, n = x.shape
+    out_t = x.new_empty((n, m), dtype=dtype) if (write_t and triton_enabled_for(x)) else x.new_empty((0,), dtype=dtype)
+    scalar = x.new_empty((), dtype=torch.float32)
+    return x.new_empty((m, n), dtype=dtype), out_t, scalar, x.new_empty((), dtype=torch.float32)
+
+
+def materializes_transpose(x: Tensor) -> bool:
+    """Whether `scaled_cast(..., write_t=True)` writes x_fp8^T for `x` (the fused kernel does, in the same pass)."""
+    return triton_enabled_for(x)
+
+
+def scaled_cast(
+    x: Tensor,
+    history: Tensor,
+    role: int,
+    fmt,
+    scaling: str,
+    algo_max: bool,
+    margin: int,
+    power_of_2: bool,
+    *,
+    write_t: bool = False,
+    record: bool = True,
+    noise: Optional[Tensor] = None,
+    seed: Optional[Tensor] = None,
+):
+    """Python face of `lightning_fp8::scaled_cast` for a 2-D `x`: (x_fp8, x_fp8^T or None, scale, scale_inv)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaled_cast: unknown scaling {scaling!r}; valid: {list(SCALINGS)}")
+    if x.dim() != 2:
+        raise ValueError(f"scaled_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
+    name = fmt if isinstance(fmt, str) else fmt.name
+    out, out_t, scale, scale_inv = torch.ops.lightning_fp8.scaled_cast(
+        x.detach(), history, role, name, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record
+    )
+    return out, (out_t if out_t.numel() or x.numel() == 0 else None) if write_t else None, scale, scale_inv
+
+
+@torch.library.custom_op(
+    "lightning_fp8::close_scaling_step", mutates_args=("history", "overflow_count", "clip_count")
+)
+def close_scaling_step_op(
+    history: Tensor,
+    overflow_count: Tensor,
+    clip_count: Tensor,
+    fp8_max: Tensor,
+    scaled: Tensor,
+    delayed: Tensor,
+    algo_max: Tensor,
+    margin: Tensor,
+    power_of_2: Tensor,
+    taken: bool,
+) -> None:
+    # CUDA runs the same torch reference (about 25 small launches): the plugins' engine closes the steps of every
+    # layer at once instead (lightning_fp8/engine/scales.py); this op serves a layer trained without an engine
+    with torch.autocast(history.device.type, enabled=False):
+        reference.close_step_reference(
+            history, overflow_count, clip_count, (fp8_max, scaled, delayed, algo_max, margin, power_of_2), taken
+        )
+
+
+@close_scaling_step_op.register_fake
+def _close_scaling_step_fake(history, overflow_count, clip_count, fp8_max, scaled, delayed, algo_max, margin,
+                             power_of_2, taken):
+    return None
+
+
+__all__ = [
+    "fp8_cast",
+    "fp8_amax",
+    "fp8_cast_op",
+    "scaled_cast",
+    "scaled_cast_op",
+    "close_scaling_step_op",
+    "materializes_transpose",
+    "triton_available",
+]

@@ -1,7 +1,7 @@
 """The torch twins of the kernels in `triton_cast.py`: what each kernel variant must reproduce.
 
-They are thin compositions of `lightning_fp8.numerics` (the single definition of quantize / amax); the CPU path of
-the library and the tests use them, the CUDA path uses the Triton kernels.
+They are thin compositions of `lightning_fp8.numerics` (the single definition of quantize / amax / scale rules); the
+CPU path of the library runs them, the CUDA path runs the Triton kernels, and the tests compare the two.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
+from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, step_flags
 
 
 def cast_reference(
@@ -26,7 +27,7 @@ def cast_reference(
     stochastic: bool = False,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(x_fp8 row-major, x_fp8^T row-major, amax) of a 2-D `x`; entries not asked for are None."""
-    amax = tensor_amax(x) if compute_amax else None
+    amax = fast_amax(x) if compute_amax else None
     out = out_t = None
     if write_row or write_t:
         rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
@@ -38,7 +39,61 @@ def cast_reference(
 
 def amax_reference(x: torch.Tensor, skip_if: Optional[torch.Tensor] = None) -> torch.Tensor:
     """max|x| in float32; 0 where the device flag `skip_if` is set (delayed scaling's pre-pass)."""
-    amax = tensor_amax(x)
+    amax = fast_amax(x)
     if skip_if is None:
         return amax
     return torch.where(skip_if, torch.zeros_like(amax), amax)
+
+
+def fast_amax(x: torch.Tensor) -> torch.Tensor:
+    """`tensor_amax` in one pass over x: max(-min, max) is max|x| exactly, and NaN propagates through both."""
+    if x.numel() == 0 or not x.is_floating_point():
+        return tensor_amax(x)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(lo.neg(), hi).to(torch.float32)
+
+
+def scaled_cast_reference(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    role: int,
+    fmt: FP8Format,
+    scaling: str,
+    algo_max: bool,
+    margin: int,
+    power_of_2: bool,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    stochastic: bool = False,
+    record: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One state-driven cast: the scale from the role's amax history (numerics.scaling.cast_scale) under this cast's
+    recipe, the saturating cast, and (record) this tensor's amax accumulated into the step in progress (slot 0,
+    NaN / inf kept raw: closing the step counts them). Returns (x_fp8, scale). `history` is [roles, L+1]."""
+    row = history[role]
+    needs_amax = record or scaling == "current" or (
+        scaling == "delayed" and not bool(reference_amax(row, algo_max) > 0)  # CPU-side check: no device here
+    )
+    amax = fast_amax(x) if needs_amax else torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
+    rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
+    q = quantize(x, scale, fmt, rounding=rounding, noise=noise, generator=generator)
+    if record:
+        slot = history[role, 0]
+        slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
+    return q, scale
+
+
+def close_step_reference(
+    history: torch.Tensor,
+    overflow_count: torch.Tensor,
+    clip_count: torch.Tensor,
+    constants: Tuple[torch.Tensor, ...],
+    taken: bool,
+) -> None:
+    """Close the step in progress of one layer's roles in place (numerics.scaling.close_step)."""
+    clean, overflow, clip = step_flags(history, *constants)
+    overflow_count.add_(overflow.to(overflow_count.dtype))
+    clip_count.add_(clip.to(clip_count.dtype))
+    history.copy_(advance_history(history, clean, taken))

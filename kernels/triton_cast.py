@@ -1,9 +1,12 @@
 """Triton kernels for the FP8 casts. Imported only when triton is importable (see `lightning_fp8.kernels`).
 
-One kernel, `_cast_kernel`, specialised by constexpr flags, covers every cast FP8Linear needs:
+One kernel, `_cast_kernel`, specialised by constexpr flags, covers every cast FP8Layer needs:
 
-  amax only          (current scaling's first pass; delayed scaling's pre-pass, skipped on device once the
-                      state is initialised)
+  amax only          (current scaling's first pass; delayed scaling's pre-pass, which exits at once when the
+                      role's amax history already sizes the scale: read on device, no host sync)
+  scale from state   (SCALE_MODE=1: every program derives the scale from the role's amax history, the pre-pass amax
+                      and the recipe constants, exactly as `numerics.scaling.cast_scale`; program 0 writes the scale
+                      and its inverse; the cast's own amax is max-accumulated into the history's open slot)
   amax + scale + cast (delayed scaling: the scale is known before the pass, the amax comes out of the same read)
   cast + transpose   (writes x_fp8 row-major and x_fp8^T row-major from one read of x)
   stochastic rounding with a given uniform noise tensor (bit-exact twin of `quantize(..., noise=noise)`) or with
@@ -93,14 +96,61 @@ def _fp8_decode(code, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.cons
 
 
 @triton.jit
+def _usable(a):
+    return (a == a) & (tl.abs(a) < float("inf")) & (a > 0)
+
+
+@triton.jit
+def _scale_from_amax(amax, fallback, FP8_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, POW2: tl.constexpr):
+    """`numerics.scaling.scale_from_amax` for one float32 amax: (fp8_max / amax) / 2**margin, clamped to the float32
+    maximum, optionally rounded down to a power of two (clearing the mantissa bits of a positive normal float is
+    frexp's exact answer); `fallback` where amax is 0, inf or NaN."""
+    safe = tl.where(_usable(amax), amax, 1.0)
+    zero = safe * 0.0  # safe is finite: constants of safe's shape and dtype, for the IEEE (round-to-nearest) divisions
+    scale = tl.div_rn(tl.div_rn(zero + FP8_MAX, safe), zero + MARGIN_DIV)
+    scale = tl.minimum(scale, 3.4028234663852886e38)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(_usable(amax), scale, fallback)
+
+
+@triton.jit
+def _derived_scale(
+    hist_ptr, cur_amax_bits_ptr,
+    HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, POW2: tl.constexpr,
+):
+    """`numerics.scaling.cast_scale`: SCALING 1 delayed, 2 current, 3 none (scale 1)."""
+    if SCALING == 3:
+        return 1.0
+    offs = tl.arange(0, HIST_BLOCK)
+    h = tl.load(hist_ptr + offs, mask=offs < HIST_LEN, other=0.0)
+    last = tl.sum(tl.where(offs == 1, h, 0.0), axis=0)
+    previous = _scale_from_amax(last, 1.0, FP8_MAX, MARGIN_DIV, POW2)
+    cur = tl.load(cur_amax_bits_ptr).to(tl.float32, bitcast=True)
+    current = _scale_from_amax(cur, previous, FP8_MAX, MARGIN_DIV, POW2)
+    if SCALING == 2:
+        return current
+    if ALGO_MAX:
+        ref = tl.max(tl.where((offs >= 1) & (offs < HIST_LEN), h, 0.0), axis=0)
+    else:
+        ref = last
+    return _scale_from_amax(ref, current, FP8_MAX, MARGIN_DIV, POW2)
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, noise_ptr, seed_ptr, skip_ptr,
+    hist_ptr, hist_bits_ptr, cur_amax_bits_ptr, scale_out_ptr, scale_inv_out_ptr,
     M, N,
     stride_xm, stride_xn, stride_zm, stride_zn,
     FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr, HW_CAST: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, COMPUTE_AMAX: tl.constexpr, HAS_SKIP: tl.constexpr,
     ROUNDING: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SKIP_IF_HISTORY: tl.constexpr, RECORD: tl.constexpr, RECORD_CUR: tl.constexpr,
+    HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,
+    MARGIN_DIV: tl.constexpr, POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -115,6 +165,15 @@ def _cast_kernel(
     if HAS_SKIP:
         # delayed scaling's pre-pass: nothing to read once the state has a scale (flag read on device, no sync)
         rows_limit = tl.where(tl.load(skip_ptr) != 0, 0, M)
+    if SKIP_IF_HISTORY:
+        # the same, with the flag derived from the role's amax history: a reference amax sizes the scale
+        hoffs = tl.arange(0, HIST_BLOCK)
+        h = tl.load(hist_ptr + hoffs, mask=hoffs < HIST_LEN, other=0.0)
+        if ALGO_MAX:
+            ref = tl.max(tl.where((hoffs >= 1) & (hoffs < HIST_LEN), h, 0.0), axis=0)
+        else:
+            ref = tl.sum(tl.where(hoffs == 1, h, 0.0), axis=0)
+        rows_limit = tl.where(ref > 0, 0, M)
     mask = (rows < rows_limit) & (cols < N)
     x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
 
@@ -123,9 +182,22 @@ def _cast_kernel(
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         block_max = tl.max(tl.max(bits, axis=1), axis=0)
         tl.atomic_max(amax_bits_ptr, block_max)
+        if RECORD:
+            # the history's open slot holds a non-negative float (or NaN): its bit pattern orders the same way
+            tl.atomic_max(hist_bits_ptr, block_max)
+    if RECORD_CUR:
+        if pid == 0:  # the pre-pass measured this tensor's amax already (current scaling)
+            tl.atomic_max(hist_bits_ptr, tl.load(cur_amax_bits_ptr))
 
     if WRITE_ROW or WRITE_T:
-        scale = tl.load(scale_ptr)
+        if SCALE_MODE == 1:
+            scale = _derived_scale(hist_ptr, cur_amax_bits_ptr, HIST_LEN, HIST_BLOCK, SCALING, ALGO_MAX, FP8_MAX,
+                                   MARGIN_DIV, POW2)
+            if pid == 0:
+                tl.store(scale_out_ptr, scale)
+                tl.store(scale_inv_out_ptr, tl.div_rn(scale * 0.0 + 1.0, scale))
+        else:
+            scale = tl.load(scale_ptr)
         y = x * scale
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
         code = _fp8_code(y, FP8_DTYPE, MANT, BIAS, HW_CAST)
@@ -178,6 +250,70 @@ def _blocks(m: int, n: int, transpose: bool):
     return bm, bn
 
 
+def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=None, seed=None, skip_if=None,
+            hist=None, cur_amax_bits=None, scale_out=None, scale_inv_out=None, hw_cast=True, compute_amax=False,
+            scale_mode=0, skip_if_history=False, record=False, record_cur=False, scaling=1, algo_max=True,
+            margin=0, power_of_2=False):
+    m, n = x.shape
+    if not (m and n):
+        return
+    if noise is not None:
+        rounding = ROUND_NOISE
+    elif seed is not None:
+        rounding = ROUND_PHILOX
+    else:
+        rounding = ROUND_NEAREST
+    bm, bn = _blocks(m, n, out_t is not None)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    dummy = x  # never dereferenced where a pointer is unused (constexpr-disabled branch)
+    hist_len = hist.numel() if hist is not None else 1
+    _cast_kernel[grid](
+        x,
+        scale if scale is not None else dummy,
+        out if out is not None else dummy,
+        out_t if out_t is not None else dummy,
+        amax_bits if amax_bits is not None else dummy,
+        noise if noise is not None else dummy,
+        seed if seed is not None else dummy,
+        skip_if.view(torch.uint8) if skip_if is not None else dummy,
+        hist if hist is not None else dummy,
+        hist.view(torch.int32) if hist is not None else dummy,
+        cur_amax_bits if cur_amax_bits is not None else dummy,
+        scale_out if scale_out is not None else dummy,
+        scale_inv_out if scale_inv_out is not None else dummy,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        noise.stride(0) if noise is not None else 0,
+        noise.stride(1) if noise is not None else 0,
+        FP8_MAX=fmt.max,
+        FP8_DTYPE=_TL_DTYPES[fmt.name],
+        MANT=fmt.mantissa_bits,
+        BIAS=_BIAS[fmt.name],
+        MAX_CODE=fmt.max_code,
+        HW_CAST=hw_cast,
+        WRITE_ROW=out is not None,
+        WRITE_T=out_t is not None,
+        COMPUTE_AMAX=compute_amax,
+        HAS_SKIP=skip_if is not None,
+        ROUNDING=rounding,
+        SCALE_MODE=scale_mode,
+        SKIP_IF_HISTORY=skip_if_history,
+        RECORD=record,
+        RECORD_CUR=record_cur,
+        HIST_LEN=hist_len,
+        HIST_BLOCK=_next_pow2(max(hist_len, 2)),
+        SCALING=scaling,
+        ALGO_MAX=algo_max,
+        MARGIN_DIV=float(2.0**margin),
+        POW2=power_of_2,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=4,
+    )
+
+
 def launch_cast(
     x: torch.Tensor,
     scale: Optional[torch.Tensor],
@@ -191,53 +327,60 @@ def launch_cast(
     skip_if: Optional[torch.Tensor] = None,
     hw_cast: bool = True,
 ):
-    """Run `_cast_kernel` on a 2-D tensor of any strides. Returns (out [M,N] uint8 or None, out_t [N,M] uint8 or
-    None, amax float32 0-d or None)."""
+    """Run `_cast_kernel` with a given scale on a 2-D tensor of any strides. Returns (out [M,N] uint8 or None,
+    out_t [N,M] uint8 or None, amax float32 0-d or None)."""
     assert x.dim() == 2
     m, n = x.shape
     device = x.device
     out = torch.empty((m, n), dtype=torch.uint8, device=device) if write_row else None
     out_t = torch.empty((n, m), dtype=torch.uint8, device=device) if write_t else None
     amax_bits = torch.zeros(1, dtype=torch.int32, device=device) if compute_amax else None
-    if noise is not None:
-        rounding = ROUND_NOISE
-    elif seed is not None:
-        rounding = ROUND_PHILOX
-    else:
-        rounding = ROUND_NEAREST
-    if m and n:
-        bm, bn = _blocks(m, n, write_t)
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        dummy = x  # never dereferenced where a pointer is unused (constexpr-disabled branch)
-        _cast_kernel[grid](
-            x,
-            scale if scale is not None else dummy,
-            out if out is not None else dummy,
-            out_t if out_t is not None else dummy,
-            amax_bits if amax_bits is not None else dummy,
-            noise if noise is not None else dummy,
-            seed if seed is not None else dummy,
-            skip_if.view(torch.uint8) if skip_if is not None else dummy,
-            m,
-            n,
-            x.stride(0),
-            x.stride(1),
-            noise.stride(0) if noise is not None else 0,
-            noise.stride(1) if noise is not None else 0,
-            FP8_MAX=fmt.max,
-            FP8_DTYPE=_TL_DTYPES[fmt.name],
-            MANT=fmt.mantissa_bits,
-            BIAS=_BIAS[fmt.name],
-            MAX_CODE=fmt.max_code,
-            HW_CAST=hw_cast,
-            WRITE_ROW=write_row,
-            WRITE_T=write_t,
-            COMPUTE_AMAX=compute_amax,
-            HAS_SKIP=skip_if is not None,
-            ROUNDING=rounding,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            num_warps=4,
-        )
+    _launch(x, fmt, scale=scale, out=out, out_t=out_t, amax_bits=amax_bits, noise=noise, seed=seed, skip_if=skip_if,
+            hw_cast=hw_cast, compute_amax=compute_amax)
     amax = amax_bits.view(torch.float32).reshape(()) if amax_bits is not None else None
     return out, out_t, amax
+
+
+_SCALING_CODES = {"delayed": 1, "current": 2, "none": 3}
+
+
+def launch_scaled_cast(
+    x: torch.Tensor,
+    hist: torch.Tensor,
+    fmt: FP8Format,
+    scaling: str,
+    algo_max: bool,
+    margin: int,
+    power_of_2: bool,
+    *,
+    write_t: bool,
+    record: bool,
+    noise: Optional[torch.Tensor] = None,
+    seed: Optional[torch.Tensor] = None,
+    hw_cast: bool = True,
+):
+    """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
+    contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`).
+
+    Launches: delayed scaling 2 (a pre-pass that exits at once when the history sizes the scale, then the cast),
+    current scaling 2 (amax pass, then the cast), no scaling 1. Returns (out uint8 [M,N], out_t uint8 [N,M] or None,
+    scale 0-d, scale_inv 0-d)."""
+    assert x.dim() == 2 and hist.dim() == 1 and hist.is_contiguous()
+    m, n = x.shape
+    device = x.device
+    code = _SCALING_CODES[scaling]
+    out = torch.empty((m, n), dtype=torch.uint8, device=device)
+    out_t = torch.empty((n, m), dtype=torch.uint8, device=device) if write_t else None
+    cur_bits = torch.zeros(1, dtype=torch.int32, device=device)
+    scale_out = torch.ones((), dtype=torch.float32, device=device)
+    scale_inv_out = torch.ones((), dtype=torch.float32, device=device)
+    consts = dict(hist=hist, scaling=code, algo_max=algo_max, margin=margin, power_of_2=power_of_2)
+    if code in (1, 2):
+        # pre-pass: this tensor's amax (delayed scaling: only until the history sizes the scale)
+        _launch(x, fmt, amax_bits=cur_bits, compute_amax=True, skip_if_history=(code == 1), **consts)
+    scratch = torch.zeros(1, dtype=torch.int32, device=device)  # the cast pass's own amax (recorded into hist)
+    _launch(x, fmt, out=out, out_t=out_t, amax_bits=scratch, noise=noise, seed=seed,
+            cur_amax_bits=cur_bits, scale_out=scale_out, scale_inv_out=scale_inv_out, hw_cast=hw_cast,
+            compute_amax=record and code != 2, scale_mode=1, record=record and code != 2,
+            record_cur=record and code == 2, **consts)
+    return out, out_t, scale_out, scale_inv_out

@@ -258,9 +258,11 @@ def test_a_one_time_jump_is_absorbed_by_the_scales():
 
 
 def test_sqnr_rule_after_an_activation_spike():
-    """One batch whose activations entering net.4 are 1e6x larger pins net.4's delayed scale for the whole amax
-    history: the following casts flush its inputs (SQNR near 0 dB). net.6 and net.8 inherit the spike through
-    net.4; only net.4 moves, by the SQNR rule."""
+    """One batch whose activations entering net.4 are 1e6x larger, in a step that is *taken* (every value stays
+    finite: the saturating cast hides nothing from the engine, so nothing is skipped), pins net.4's delayed scale for
+    the whole amax history: the following casts flush its inputs (SQNR near 0 dB). net.6 and net.8 inherit the spike
+    through net.4; only net.4 moves, by the SQNR rule. (A *skipped* step's amaxes never enter the history:
+    tests/test_step_scales.py.)"""
 
     step = {}
 
@@ -275,8 +277,10 @@ def test_sqnr_rule_after_an_activation_spike():
     torch.manual_seed(0)
     model = Deep()
     fallback = FP8LayerFallback(check_every_n_steps=1, stats_patience=3)
-    t = trainer(plugins=[FP8Precision()], max_steps=10, max_epochs=-1, callbacks=[StepCounter(), _HookAt("net.4", spike), fallback])
+    plugin = FP8Precision()
+    t = trainer(plugins=[plugin], max_steps=10, max_epochs=-1, callbacks=[StepCounter(), _HookAt("net.4", spike), fallback])
     t.fit(model, loader())
+    assert plugin.skipped_steps == 0  # the spike's step was taken: its amax belongs in the history
     assert [(e["layers"], e["rule"]) for e in fallback.events] == [(["net.4"], "sqnr")]
     assert "quantization SQNR of input" in model.net[4].fp8_disabled_reason
     assert [row.fqn for row in precision_map(model) if row.precision == "fp8"] == ["net.2", "net.6", "net.8"]

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from lightning_fp8 import kernels
-from lightning_fp8.modules import cast as cast_mod
-from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast, scaled_cast_transpose
-from lightning_fp8.numerics import E4M3, E5M2, ScalingState, quantize, tensor_amax
+from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast
+from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.numerics import E4M3, E5M2, cast_scale, close_step, quantize, tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
 FORMATS = [E4M3, E5M2]
@@ -113,7 +113,8 @@ def test_triton_available_false_when_missing(monkeypatch):
 
 def test_dispatch_switches(monkeypatch):
     x = torch.zeros(4, 4)
-    assert not kernels.fused_cast_enabled_for(x)  # CPU never takes the fused path in scaled_cast
+    if not INTERPRETING:
+        assert not kernels.triton_enabled_for(x) and not kernels.materializes_transpose(x)  # CPU: the reference
     monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "1")
     assert kernels.triton_disabled() and not kernels.triton_enabled_for(x)
     monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "0")
@@ -146,63 +147,93 @@ def test_ops_opcheck():
 
 
 RECIPES = {
-    "delayed": FP8Recipe(),
-    "current": FP8Recipe(scaling="current"),
-    "delayed_margin_p2": FP8Recipe(margin=2, power_of_2_scales=True, amax_compute_algo="most_recent"),
+    "delayed": FP8Recipe(power_of_2_scales=False),
+    "delayed_p2": FP8Recipe(),
+    "current": FP8Recipe(scaling="current", power_of_2_scales=False),
+    "delayed_margin_most_recent": FP8Recipe(margin=2, amax_compute_algo="most_recent", power_of_2_scales=False),
     "unscaled_grads": FP8Recipe(scale_gradients=False, format="e5m2"),
     "stochastic": FP8Recipe(rounding="stochastic"),
 }
 
 
-def _run_casts(recipe, use_fused, monkeypatch, device="cpu", seed=0, steps=3):
-    """A few training steps' worth of casts of each role plus an evaluation cast; returns outputs and states."""
-    monkeypatch.setattr(cast_mod.kernels, "fused_cast_enabled_for", (lambda x: True) if use_fused else (lambda x: False))
+def _run_casts(recipe, use_triton, monkeypatch, device="cpu", seed=0, steps=3):
+    """A few training steps' worth of state-driven casts of each role (with an overflow, and a rejected step), an
+    evaluation cast and explicit-scale casts per step; returns the outputs and the final FP8 state. use_triton
+    selects the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) or the torch reference."""
+    monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "0" if use_triton else "1")
+    meta = FP8LinearMeta(recipe, device=device)
     g = torch.Generator(device=device).manual_seed(1234)
-    states = {role: ScalingState(recipe.amax_history_len, device=device) for role in ("input", "weight", "grad_output")}
     outs = []
     for step in range(steps):
-        for role, state in states.items():
+        for role in ("input", "weight", "grad_output"):
             x = wide_random((24, 48), seed=seed + step, device=device) if role != "weight" else torch.randn(
                 48, 24, generator=torch.Generator().manual_seed(step)).to(device)
             if step == 1 and role == "input":
-                x[3, 5] = float("inf")  # an overflow event: counted, not recorded
-            if role == "grad_output":
-                q, q_t, s = scaled_cast_transpose(x, state, recipe, role, record=True, generator=g)
-                outs += [q, q_t, s]
-            else:
-                q, s = scaled_cast(x.reshape(2, 12, -1), state, recipe, role, record=True, generator=g)
-                outs += [q, s]
-            state.update(recipe.format_for(role), recipe.scaling, recipe.amax_compute_algo, recipe.margin,
-                         recipe.power_of_2_scales, scaled=recipe.uses_scaling_for(role))
-        q, s = scaled_cast(wide_random((8, 24), seed=100 + step, device=device), states["input"], recipe, "input",
-                           record=False)
-        outs += [q, s]
+                x[3, 5] = float("inf")  # an overflow event: counted when the step closes, never recorded
+            q, q_t, s, s_inv = scaled_cast(x, meta, recipe, role, record=True, write_t=(role != "weight"), generator=g)
+            outs += [q, q_t if q_t is not None else q.t().contiguous(), s, s_inv]
+        torch.ops.lightning_fp8.close_scaling_step(
+            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), step != 1
+        )
+        q, _, s, s_inv = scaled_cast(wide_random((8, 24), seed=100 + step, device=device), meta, recipe, "input",
+                                     record=False)
+        outs += [q, s, s_inv]
         y = wide_random((16, 32), seed=200 + step, device=device)
         outs.append(cast_to_fp8(y, torch.tensor(2.0, device=device), E4M3, layout="t"))
         outs.extend(cast_to_fp8(y, torch.tensor(0.5, device=device), E5M2, layout="both"))
-    return outs, {r: {k: v.clone() for k, v in s.state_dict().items()} for r, s in states.items()}
+    return outs, {k: v.clone() for k, v in meta.state_dict().items()}
 
 
 def _assert_runs_equal(a, b):
-    outs_a, states_a = a
-    outs_b, states_b = b
+    outs_a, state_a = a
+    outs_b, state_b = b
     assert len(outs_a) == len(outs_b)
     for i, (x, y) in enumerate(zip(outs_a, outs_b)):
         if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             assert_same_fp8(x, y)
         else:
             assert torch.equal(x, y), f"output {i}: {x} vs {y}"
-    for role in states_a:
-        for k in states_a[role]:
-            assert torch.equal(states_a[role][k], states_b[role][k]), f"{role}.{k}"
+    for k in state_a:
+        assert torch.equal(state_a[k], state_b[k]), k
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_fused_orchestration_matches_reference_cpu(name, monkeypatch):
-    """scaled_cast's fused path (driven through the custom ops, which run the reference on CPU) computes the same
-    scales, writes the same state and returns the same bytes as the reference path."""
+def test_scaled_cast_op_is_the_numerics_composition(name, monkeypatch):
+    """On CPU the op runs its torch reference: the scale is numerics.cast_scale of the role's history under the
+    cast's recipe, the bytes are numerics.quantize, and the open slot receives max|x|."""
+    monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "1")
     recipe = RECIPES[name]
-    _assert_runs_equal(_run_casts(recipe, False, monkeypatch), _run_casts(recipe, True, monkeypatch))
+    meta = FP8LinearMeta(recipe)
+    meta.amax_history[0, 1:4] = torch.tensor([3.0, 7.0, 1.0])  # input has history; weight / grad_output do not
+    for role, index in (("input", 0), ("weight", 1), ("grad_output", 2)):
+        x = wide_random((20, 36), seed=index)
+        if recipe.rounding_for(role) == "stochastic":
+            continue  # its noise is drawn inside scaled_cast: bit-exactness with given noise is tested below
+        before = meta.amax_history[index].clone()
+        q, _, scale, scale_inv = scaled_cast(x, meta, recipe, role, record=True)
+        fmt = recipe.format_for(role)
+        mode = "none" if not recipe.uses_scaling_for(role) else recipe.scaling
+        expected = cast_scale(before, tensor_amax(x), fmt.max, mode, recipe.amax_compute_algo == "max",
+                              recipe.margin, recipe.power_of_2_scales)
+        assert torch.equal(scale, expected) and torch.equal(scale_inv, expected.reciprocal())
+        assert_same_fp8(q, quantize(x, expected, fmt))
+        assert meta.amax_history[index, 0].item() == tensor_amax(x).item()
+        assert torch.equal(meta.amax_history[index, 1:], before[1:])
+
+
+def test_close_step_op_is_the_numerics_rule():
+    recipe = FP8Recipe(scale_gradients=False, format="e5m2")
+    meta = FP8LinearMeta(recipe)
+    meta.amax_history[:, 0] = torch.tensor([float("nan"), 2.0, 7.0e4])  # overflow, normal, unscaled saturation
+    meta.amax_history[1, 1] = 1.0
+    expected, overflow, clip = close_step(meta.amax_history.clone(), *meta.constants().values(), taken=True)
+    torch.ops.lightning_fp8.close_scaling_step(
+        meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), True
+    )
+    assert torch.equal(meta.amax_history, expected)
+    assert meta.overflow_count.tolist() == [1, 0, 1] == overflow.long().tolist()
+    assert meta.clip_count.tolist() == clip.long().tolist()
+    assert meta.amax_history[:, 1].tolist() == [0.0, 2.0, 7.0e4]  # NaN never enters; saturation is recorded
 
 
 def test_cast_ops_trace_under_compile_without_graph_breaks():
@@ -218,11 +249,13 @@ def test_cast_ops_trace_under_compile_without_graph_breaks():
     assert torch.equal(compiled(x, s), f(x, s))
 
 
-def test_scaled_cast_transpose_rejects_non_2d():
-    with pytest.raises(ValueError):
-        scaled_cast_transpose(torch.zeros(2, 3, 4), ScalingState(4), FP8Recipe(), "input", record=False)
+def test_casts_reject_what_they_cannot_cast():
+    with pytest.raises(Exception, match="2-D"):
+        scaled_cast(torch.zeros(2, 3, 4), FP8LinearMeta(FP8Recipe()), FP8Recipe(), "input", record=False)
     with pytest.raises(ValueError):
         cast_to_fp8(torch.zeros(4), torch.tensor(1.0), E4M3, layout="t")
+    with pytest.raises(ValueError, match="delayed"):
+        kernels.scaled_cast(torch.zeros(2, 2), torch.zeros(3, 5), 0, "e4m3", "lazy", True, 0, False)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -378,6 +411,38 @@ def test_interp_scaled_cast_fused_matches_reference(triton_interp, name, monkeyp
     _assert_runs_equal(_run_casts(recipe, False, monkeypatch, steps=2), _run_casts(recipe, True, monkeypatch, steps=2))
 
 
+@interp
+@pytest.mark.parametrize("scaling", ["delayed", "current", "none"])
+@pytest.mark.parametrize("history", ["empty", "filled", "most_recent"])
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling, history, power_of_2):
+    """launch_scaled_cast derives the scale inside the kernel from the history (and a pre-pass amax): bit-exact
+    with numerics.scaling.cast_scale, the same bytes, the same open-slot amax (NaN kept), for both formats."""
+    from lightning_fp8.kernels.reference import scaled_cast_reference
+
+    for fmt, margin in ((E4M3, 0), (E5M2, 2)):
+        hist = torch.zeros(3, 9)
+        if history != "empty":
+            hist[1, 1:5] = torch.tensor([3.0, 11.0, 0.5, 2.0])
+        algo_max = history != "most_recent"
+        for x in (wide_random((33, 70), seed=2).clamp(-3e4, 3e4), torch.randn(16, 32) * 5):
+            for with_nan in (False, True):
+                x = x.clone()
+                if with_nan:
+                    x[1, 1] = float("nan")
+                h_kernel, h_ref = hist.clone(), hist.clone()
+                out, out_t, scale, scale_inv = triton_interp.launch_scaled_cast(
+                    x, h_kernel[1], fmt, scaling, algo_max, margin, power_of_2, write_t=True, record=True,
+                    hw_cast=False,
+                )
+                ref, ref_scale = scaled_cast_reference(x, h_ref, 1, fmt, scaling, algo_max, margin, power_of_2)
+                assert torch.equal(scale, ref_scale), (scale, ref_scale)
+                assert torch.equal(scale_inv, ref_scale.reciprocal())
+                assert_same_fp8(out.view(fmt.dtype), ref)
+                assert_same_fp8(out_t.view(fmt.dtype), ref.t().contiguous())
+                assert torch.equal(h_kernel.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CUDA: the real kernels (unverified until a GPU session runs `pytest -m cuda`)
 # ------------------------------------------------------------------------------------------------------------------
@@ -473,7 +538,7 @@ def test_cuda_scaled_cast_fused_matches_reference(name, monkeypatch):
 def test_cuda_fp8linear_fused_vs_reference(monkeypatch):
     import copy
 
-    from lightning_fp8 import FP8Linear
+    from lightning_fp8 import FP8Linear, fp8_state_dict
 
     torch.manual_seed(0)
     layer = FP8Linear(1024, 2048).cuda()
@@ -490,5 +555,5 @@ def test_cuda_fp8linear_fused_vs_reference(monkeypatch):
         grads.append((y.detach(), xi.grad, mod.weight.grad))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
-    for k, v in layer.state_dict().items():
-        assert torch.equal(v, twin.state_dict()[k]), k
+    for k, v in {**layer.state_dict(), **fp8_state_dict(layer)}.items():
+        assert torch.equal(v, {**twin.state_dict(), **fp8_state_dict(twin)}[k]), k

@@ -91,6 +91,8 @@ class FP8TrainingEngine:
         for layer in self.layers.values():
             layer.autoupdate_scales = False
         self.scales = ModelScales(self.layers)
+        # a loss-scale change scales every gradient amax by the same factor: delayed gradient scales follow it
+        self.scaler.on_change = self.scales.rescale_gradient_history
 
     def resync(self) -> None:
         """Take the layers' overflow counters as the baseline (after attaching, or after loading FP8 state from a

@@ -7,7 +7,7 @@ fused pass (`torch._amp_foreach_non_finite_check_and_unscale_`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
 
@@ -56,6 +56,9 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.min_scale = min_scale
         self.clean_steps = 0
+        #: called with the factor by which the scale changed (growth or back-off; not when a state is loaded):
+        #: delayed gradient scales follow it (ModelScales.rescale_gradient_history)
+        self.on_change: Optional[Callable[[float], None]] = None
 
     @property
     def dynamic(self) -> bool:
@@ -89,13 +92,19 @@ class LossScaler:
         else:
             self.clean_steps += 1
             if self.clean_steps >= self.growth_interval:
-                self.scale *= self.growth_factor
+                self._set(self.scale * self.growth_factor)
                 self.clean_steps = 0
 
     def backoff(self) -> None:
         if self.dynamic:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self._set(max(self.scale * self.backoff_factor, self.min_scale))
             self.clean_steps = 0
+
+    def _set(self, scale: float) -> None:
+        factor = scale / self.scale
+        self.scale = scale
+        if factor != 1.0 and self.on_change is not None:
+            self.on_change(factor)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"mode": self.mode, "scale": self.scale, "clean_steps": self.clean_steps}

@@ -1,23 +1,31 @@
-"""ModelScales: the FP8 scaling state of every layer of a model, closed once per training step.
+"""ModelScales: closes the scaling step of every FP8 layer of a model at once, with a fixed number of tensor ops.
 
 The engine (engine.py) decides *when* a step ends and whether it was taken; this object does what ending it means for
-the scales, for all layers at once:
+the scales, for all layers together:
 
-    overflows = scales.new_overflows()      before the skip decision: which (layer, role) casts overflowed this step
-    scales.close_step(taken=...)            after it: sync the step's amaxes across ranks, then update every layer's
-                                            scales (taken) or forget the step's amaxes (rejected)
+    overflows = scales.new_overflows()      before the skip decision: the (layer, role) casts that overflowed in
+                                            the step in progress (one device-to-host copy)
+    scales.close_step(taken=...)            after it: the step's amaxes MAX-reduced across ranks (one collective),
+                                            overflow / clip counters, and the histories advanced (a taken step) or
+                                            left as they were (a rejected one: it leaves no trace in the scales)
 
-The rules themselves (what a new scale is) live in lightning_fp8/numerics/scaling.py.
+`close_step` stacks every layer's [3, L+1] history into one [layers, 3, L+1] tensor, applies
+`numerics.scaling.step_flags` / `advance_history` to it (the same functions a single layer uses), and writes the
+results back with `torch._foreach_copy_` / `_foreach_add_`: about thirty dispatched ops whatever the number of
+layers (tests/test_overhead.py counts them). The rules are in lightning_fp8/numerics/scaling.py.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.modules.linear import FP8Layer
+from lightning_fp8.numerics.scaling import advance_history, step_flags
 from lightning_fp8.recipe import ROLES
+
+_CONSTANTS = ("fp8_max", "scaled", "delayed", "algo_max", "margin", "power_of_2")
 
 
 class ModelScales:
@@ -26,39 +34,64 @@ class ModelScales:
     def __init__(self, layers: Dict[str, FP8Layer]) -> None:
         self.layers = dict(layers)
         self.keys = [f"{fqn}.{role}" for fqn in self.layers for role in ROLES]
-        self._baseline = self._overflow_counts()
+        self._constants_key: Tuple = ()
+        self._constants: Dict[str, torch.Tensor] = {}
 
     def resync(self) -> None:
-        """Take the layers' overflow counters as the baseline (after loading FP8 state, or a rollback), so only
-        overflows that happen from now on are reported."""
-        self._baseline = self._overflow_counts()
+        """Nothing to re-baseline: overflow detection reads the step in progress, not cumulative counters (kept so
+        the engine can call it after loading FP8 state or a rollback)."""
 
+    # -- per step -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def new_overflows(self) -> List[str]:
-        """"fqn.role" of every cast whose amax overflowed since the last call (one device-to-host copy)."""
-        counts = self._overflow_counts()
-        if self._baseline.shape != counts.shape:
-            self._baseline = torch.zeros_like(counts)
-        new = (counts - self._baseline).tolist()
-        self._baseline = counts
-        return [key for key, n in zip(self.keys, new) if n > 0]
+        """"fqn.role" of every role whose casts overflowed in the step in progress (inf / NaN amax, or an unscaled
+        role's saturation). Reads the open history slots; one device-to-host copy."""
+        if not self.layers:
+            return []
+        histories = self._histories()
+        _, overflow, _ = step_flags(torch.stack(histories), **self._recipe_constants(histories[0].device))
+        flags = overflow.reshape(-1).cpu().tolist()
+        return [key for key, flag in zip(self.keys, flags) if flag]
 
     @torch.no_grad()
     def close_step(self, taken: bool = True) -> None:
-        """End the step for every layer: all-reduce the step's amaxes across ranks (one collective), then update
-        every layer's scales and roll the histories."""
+        """End the step for every layer (see the module docstring)."""
         if not self.layers:
             return
-        slots = [getattr(layer.fp8_meta, role).amax_history[:1] for layer in self.layers.values() for role in ROLES]
-        all_reduce_max_(slots)
-        for layer in self.layers.values():
-            layer.update_scales()
+        metas = [layer.fp8_meta for layer in self.layers.values()]
+        histories = [meta.amax_history for meta in metas]
+        stacked = torch.stack(histories)
+        constants = self._recipe_constants(stacked.device)
+        clean, overflow, clip = step_flags(stacked, **constants)
+        all_reduce_max_([clean])  # every rank advances with the same amaxes, so every rank has the same scales
+        advanced = advance_history(stacked, clean, taken)
+        torch._foreach_copy_(histories, list(advanced.unbind(0)))
+        torch._foreach_add_([m.overflow_count for m in metas], list(overflow.to(torch.int64).unbind(0)))
+        torch._foreach_add_([m.clip_count for m in metas], list(clip.to(torch.int64).unbind(0)))
 
-    def _overflow_counts(self) -> torch.Tensor:
-        counts = [getattr(layer.fp8_meta, role).overflow_count for layer in self.layers.values() for role in ROLES]
-        if not counts:
-            return torch.zeros(0, dtype=torch.int64)
-        device = counts[0].device
-        return torch.stack([c.to(device) for c in counts]).cpu()
+    @torch.no_grad()
+    def rescale_gradient_history(self, factor: float) -> None:
+        """Multiply the gradient amaxes (the open step's and the completed ones) by `factor`: the loss scale changed by
+        it, and so will every gradient's amax; delayed gradient scales then stay sized for the gradients to come."""
+        if not self.layers or factor == 1.0:
+            return
+        rows = [layer.fp8_meta.amax_history[ROLES.index("grad_output")] for layer in self.layers.values()]
+        torch._foreach_mul_(rows, factor)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _histories(self) -> List[torch.Tensor]:
+        return [layer.fp8_meta.amax_history for layer in self.layers.values()]
+
+    def _recipe_constants(self, device: torch.device) -> Dict[str, torch.Tensor]:
+        """Per (layer, role) recipe constants, stacked; rebuilt only when a layer's recipe or device changes."""
+        key = tuple((id(layer.fp8_meta.recipe), layer.fp8_meta.recipe_fp8_max.device) for layer in self.layers.values())
+        if key != self._constants_key:
+            metas = [layer.fp8_meta for layer in self.layers.values()]
+            self._constants = {
+                name: torch.stack([getattr(meta, f"recipe_{name}") for meta in metas]).to(device) for name in _CONSTANTS
+            }
+            self._constants_key = key
+        return self._constants
 
 
 __all__ = ["ModelScales"]

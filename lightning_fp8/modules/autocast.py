@@ -3,12 +3,14 @@
 Converted layers compute in FP8 by default; `fp8_autocast(enabled=False)` makes them compute in high precision
 (BF16 under torch.autocast). `recipe=` overrides the recipe of every converted layer inside the region, and
 `calibrating=True` runs layers in high precision while recording amaxes (used by FP8Calibration).
-The state is thread-local, like torch.autocast's.
+
+The state is one process-wide value, not thread-local: `torch.compile` reads it as a guarded global (a thread-local
+would break the graph at every FP8 layer), and a region is entered and left by the thread that runs the model.
+Threads running converted models concurrently with different settings are not supported.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -22,12 +24,11 @@ class AutocastState:
     calibrating: bool = False
 
 
-_DEFAULT = AutocastState()
-_local = threading.local()
+_state = AutocastState()
 
 
 def current_state() -> AutocastState:
-    return getattr(_local, "state", _DEFAULT)
+    return _state
 
 
 @contextlib.contextmanager
@@ -40,8 +41,9 @@ def fp8_autocast(
     nested in a calibration region does not cancel the calibration."""
     if recipe is not None and not isinstance(recipe, FP8Recipe):
         raise TypeError(f"fp8_autocast(recipe=...) expects an FP8Recipe, got {type(recipe).__name__}")
-    previous = current_state()
-    _local.state = AutocastState(
+    global _state
+    previous = _state
+    _state = AutocastState(
         enabled=bool(enabled),
         recipe=recipe if recipe is not None else previous.recipe,
         calibrating=previous.calibrating if calibrating is None else bool(calibrating),
@@ -49,4 +51,4 @@ def fp8_autocast(
     try:
         yield
     finally:
-        _local.state = previous
+        _state = previous

@@ -1,8 +1,10 @@
 """FP8 GEMM backends: `torch._scaled_mm` where the hardware has FP8 tensor cores, emulation elsewhere.
 
-Emulation is not a fake: its operands are real FP8 tensors. Every E4M3/E5M2 value is exact in float32, so
-converting them and multiplying in float32 gives the FP8 GEMM's result up to summation order; the two dequant scales
-are applied to the float32 accumulator and the output is rounded once, as `_scaled_mm` does.
+Emulation is not a fake: its operands are real FP8 tensors. Every E4M3/E5M2 value is exact in float32 and in BF16,
+so multiplying their images with float32 accumulation gives the FP8 GEMM's result up to summation order; the two
+dequant scales are applied to the accumulator and the output is rounded once, as `_scaled_mm` does. On CPU a
+bf16-output GEMM with power-of-two scales runs as a BF16 GEMM (exact for these operands, see `_bf16_gemm`), the
+rest in float32.
 
 The GEMM is registered as the custom op `lightning_fp8::fp8_gemm` (with a fake implementation), so
 `torch.compile` traces it as one opaque node on every backend instead of breaking the graph on the backend
@@ -21,8 +23,9 @@ adds a float32-output bias after the GEMM, and emulates the e5m2 x e5m2 product.
 """
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -104,9 +107,11 @@ def _fp8_gemm_op(
     backend: str,
 ) -> Tensor:
     resolved = resolve_backend(backend, a.device)
-    if resolved == "scaled_mm" and _scaled_mm_applies(a, b):
-        return _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
-    return emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    # the ops inside must run in the dtypes written here, whatever autocast region the op is called from
+    with torch.autocast(a.device.type, enabled=False):
+        if resolved == "scaled_mm" and _scaled_mm_applies(a, b):
+            return _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
+        return emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
 @_fp8_gemm_op.register_fake
@@ -117,12 +122,61 @@ def _fp8_gemm_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_acc
 
 
 def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tensor:
-    """float32 product of the exact float32 images of the FP8 operands, scaled once, rounded once."""
+    """The FP8 GEMM without FP8 tensor cores: the product of the exact images of the FP8 operands, accumulated in
+    float32, scaled and rounded once to out_dtype, as `_scaled_mm` computes it (up to summation order).
+
+    Two ways, the same result: a BF16 GEMM where that is faithful (CPU, a bf16 output, power-of-two scales; see
+    `_bf16_gemm`), else a float32 GEMM."""
+    if out_dtype == torch.bfloat16 and a.device.type == "cpu" and _is_power_of_2(a_scale_inv) and _is_power_of_2(b_scale_inv):
+        return _bf16_gemm(a, a_scale_inv, b, b_scale_inv, bias)
     acc = torch.mm(a.to(torch.float32), b.to(torch.float32))
     out = acc * (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32))
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+def _is_power_of_2(scale: Tensor) -> bool:
+    value = float(scale)  # a CPU scalar: no device to synchronise with
+    if not (value > 0 and math.isfinite(value)):
+        return False
+    mantissa, _ = math.frexp(value)
+    return mantissa == 0.5
+
+
+def _bf16_gemm(a, a_scale_inv, b, b_scale_inv, bias) -> Tensor:
+    """Why a BF16 GEMM is exact here: every FP8 value is exact in BF16 (`fp8_bf16_image`); this CPU's BF16 GEMMs
+    (oneDNN / AMX) multiply exactly and accumulate in float32, like the tensor cores; and with power-of-two scales the
+    final scaling commutes with the one rounding to BF16: round(acc) * 2^k == round(acc * 2^k) (outside BF16's
+    subnormal range). So the result equals the float32 emulation's up to summation order, the same difference a GPU
+    has. A bias is added before the rounding (addmm with the bias divided by the scale, exact for a power of two),
+    as `_scaled_mm` adds it in its float32 epilogue."""
+    a_img, a_exp = fp8_bf16_image(a)
+    b_img, b_exp = fp8_bf16_image(b)
+    scale = (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32)) * (2.0 ** (a_exp + b_exp))
+    if bias is None:
+        out = torch.mm(a_img, b_img)
+    else:
+        out = torch.addmm(bias.to(torch.bfloat16) / scale, a_img, b_img)
+    return out.mul_(scale)
+
+
+def fp8_bf16_image(x: Tensor) -> Tuple[Tensor, int]:
+    """(image, e): a BF16 tensor with image * 2**e == x exactly, for an FP8 tensor x, fast on CPU.
+
+    torch's own float8 -> bf16 conversion is a slow scalar loop on CPU; this goes through the uint8 codes and
+    float16, whose conversions are vectorised: an E5M2 code is the upper byte of the float16 with the same value; an
+    E4M3 code shifted into a float16's exponent and mantissa fields is the float16 of its value times 2**-8
+    (subnormals included: E4M3's subnormals land on float16 subnormals); E4M3's NaN codes are set to a float16 NaN."""
+    codes = x.view(torch.uint8).to(torch.int16)
+    if x.dtype == torch.float8_e5m2:
+        return (codes << 8).view(torch.float16).to(torch.float32).to(torch.bfloat16), 0
+    if x.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8_bf16_image expects a float8 tensor, got {x.dtype}")
+    magnitude = codes & 0x7F
+    bits = (magnitude << 7) | ((codes & 0x80) << 8)
+    bits.masked_fill_(magnitude == 0x7F, 0x7E00)
+    return bits.view(torch.float16).to(torch.float32).to(torch.bfloat16), 8
 
 
 def _scaled_mm_applies(a: Tensor, b: Tensor) -> bool:
@@ -212,4 +266,4 @@ def _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_ac
     return out
 
 
-__all__ = ["fp8_gemm", "emulated_gemm", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]
+__all__ = ["fp8_gemm", "emulated_gemm", "fp8_bf16_image", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]

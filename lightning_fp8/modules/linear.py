@@ -1,12 +1,10 @@
-"""FP8Linear: a drop-in nn.Linear whose three GEMMs run in FP8.
+"""FP8Layer and FP8Linear: linear layers whose three GEMMs run in FP8.
 
-One autograd function casts each operand of each GEMM:
-  forward  y      = x  @ W^T      input (E4M3)      x weight (E4M3)
-  dgrad    dx     = dy @ W        grad_output (E5M2) x weight (E4M3)
-  wgrad    dW     = dy^T @ x      grad_output (E5M2) x input (E4M3)     (formats for the HYBRID recipe)
-with float32 accumulation. The input is saved for backward *in FP8* (half the bytes of a BF16 save), and no copy
-of the weight is kept: backward re-casts the high-precision weight with the scale the forward used, which on GPU
-happens in the same pass as the transpose the dgrad GEMM needs anyway.
+A training forward of an FP8 layer dispatches: [the lazy close of its scaling step, without an engine], the cast of
+x, the cast of W (each one `lightning_fp8::scaled_cast` op that reads and updates the scaling state on the device),
+and the forward GEMM inside the one autograd function (lightning_fp8/modules/function.py), whose backward casts the
+gradient, re-casts W with the forward's scale and runs the two gradient GEMMs. No host synchronisation, no Python
+state changed per call, so `torch.compile` traces a converted model as one graph.
 """
 from __future__ import annotations
 
@@ -16,30 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
-from lightning_fp8.modules.gemm import fp8_gemm
-from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast, scaled_cast_transpose
+from lightning_fp8.modules.cast import scaled_cast
+from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
 from lightning_fp8.numerics.quantize import tensor_amax
-from lightning_fp8.numerics.scaling import ScalingState
-from lightning_fp8.recipe import ROLES, FP8Recipe
-
-
-class FP8LinearMeta(nn.Module):
-    """The FP8 metadata of one linear: a ScalingState per tensor role and the layer's precision switch."""
-
-    def __init__(self, history_len: int, device=None) -> None:
-        super().__init__()
-        for role in ROLES:
-            self.add_module(role, ScalingState(history_len, device=device))
-        self.register_buffer("enabled", torch.ones((), dtype=torch.bool, device=device))
-
-    def states(self):
-        return {role: getattr(self, role) for role in ROLES}
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if prefix + "enabled" not in state_dict:
-            state_dict[prefix + "enabled"] = self.enabled.detach().clone()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+from lightning_fp8.recipe import FP8Recipe
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -49,66 +30,13 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, meta: FP8LinearMeta, recipe: FP8Recipe, record: bool, observer):
-        out_dtype = _output_dtype(x)
-        in_features = weight.shape[1]
-        x2d = x.reshape(-1, in_features)
-        needs_wgrad = ctx.needs_input_grad[1]
-        if needs_wgrad:
-            # one read of x gives both layouts: row-major for this GEMM, transposed for the wgrad GEMM in backward
-            x_fp8, x_fp8_t, x_scale = scaled_cast_transpose(x2d, meta.input, recipe, "input", record)
-        else:  # evaluation or a frozen weight: no wgrad GEMM, no transposed copy to make or keep
-            (x_fp8, x_scale), x_fp8_t = scaled_cast(x2d, meta.input, recipe, "input", record), None
-        w_fp8, w_scale = scaled_cast(weight, meta.weight, recipe, "weight", record)
-        with torch.autocast(x.device.type, enabled=False):
-            out = fp8_gemm(
-                x_fp8,
-                x_scale.reciprocal(),
-                w_fp8.t(),
-                w_scale.reciprocal(),
-                out_dtype=out_dtype,
-                bias=bias,
-                use_fast_accum=recipe.fast_accum_forward,
-                backend=recipe.backend,
-            )
-        # x in FP8 (1 byte/element, in the layout wgrad wants) + two scalars; `weight` is the Parameter, not a copy
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x_fp8_t, x_scale, weight, w_scale)
-        ctx.meta = meta
-        ctx.recipe = recipe
-        ctx.record = record
-        ctx.x_shape = x.shape
-        ctx.x_dtype = x.dtype
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.observer = observer
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x_fp8_t, x_scale, weight, w_scale = ctx.saved_tensors
-        recipe: FP8Recipe = ctx.recipe
-        out_features = weight.shape[0]
-        g2d = grad_out.reshape(-1, out_features)
-        if ctx.observer is not None:
-            ctx.observer("grad_output", g2d)
-        g_fp8, g_fp8_t, g_scale = scaled_cast_transpose(g2d, ctx.meta.grad_output, recipe, "grad_output", ctx.record)
-        g_scale_inv = g_scale.reciprocal()
-        grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                # re-cast with the forward's scale (dgrad sees the weight the forward saw), straight into the
-                # transposed layout: W^T row-major is W column-major, what _scaled_mm wants as second operand
-                w_fp8_t = cast_to_fp8(weight, w_scale, recipe.format_for("weight"), layout="t")
-                grad_x = fp8_gemm(g_fp8, g_scale_inv, w_fp8_t.t(), w_scale.reciprocal(), out_dtype=ctx.x_dtype, backend=recipe.backend)
-                grad_x = grad_x.reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                grad_w = fp8_gemm(g_fp8_t, g_scale_inv, x_fp8_t.t(), x_scale.reciprocal(), out_dtype=weight.dtype, backend=recipe.backend)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = g2d.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+def _recomputing() -> bool:
+    """True while a forward runs inside a backward pass: activation checkpointing recomputing it. Such a forward
+    must cast exactly as the original one did, so it must not close the scaling step. (Under torch.compile the
+    recomputation is part of the compiled backward and never re-enters this Python code.)"""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 class FP8Layer(nn.Module):
@@ -129,8 +57,7 @@ class FP8Layer(nn.Module):
     out_features: int
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
-        self.recipe = recipe if recipe is not None else FP8Recipe()
-        self.fp8_meta = FP8LinearMeta(self.recipe.amax_history_len, device=device)
+        self.fp8_meta = FP8LinearMeta(recipe if recipe is not None else FP8Recipe(), device=device)
         self._fp8_enabled = True
         #: why the layer is not in FP8 (None while it is); set by fallback logic
         self.fp8_disabled_reason: Optional[str] = None
@@ -158,22 +85,27 @@ class FP8Layer(nn.Module):
         if value:
             self.fp8_disabled_reason = None
 
-    # -- scaling ------------------------------------------------------------------------------------------------
-    def update_scales(self, recipe: Optional[FP8Recipe] = None) -> None:
-        """Close the step for all three roles: new delayed scales from the histories, roll the histories."""
-        recipe = recipe or self.recipe
-        for role, state in self.fp8_meta.states().items():
-            state.update(
-                recipe.format_for(role),
-                recipe.scaling,
-                recipe.amax_compute_algo,
-                recipe.margin,
-                recipe.power_of_2_scales,
-                scaled=recipe.uses_scaling_for(role),
-            )
+    @property
+    def recipe(self) -> FP8Recipe:
+        """The layer's effective recipe (per-layer recipes and fallback's escalation change it)."""
+        return self.fp8_meta.recipe
 
-    def _pending_update(self) -> bool:
-        return any(state.pending_update for state in self.fp8_meta.states().values())
+    @recipe.setter
+    def recipe(self, recipe: FP8Recipe) -> None:
+        if not isinstance(recipe, FP8Recipe):
+            raise TypeError(f"recipe must be an FP8Recipe, got {type(recipe).__name__}")
+        self.fp8_meta.set_recipe(recipe)
+
+    # -- scaling ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_scales(self, taken: bool = True) -> None:
+        """Close this layer's scaling step for all three roles (numerics.scaling.close_step): count its overflows
+        and clips, and move a taken step's amaxes into the history. An engine does this for every layer at once
+        after each optimizer step; a layer trained without one does it lazily at its next training forward."""
+        meta = self.fp8_meta
+        torch.ops.lightning_fp8.close_scaling_step(
+            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), taken
+        )
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,14 +117,30 @@ class FP8Layer(nn.Module):
             return F.linear(x, weight, self.bias)
         if not (self._fp8_enabled and autocast_state.enabled):
             return F.linear(x, weight, self.bias)
-        training = self.training and torch.is_grad_enabled()
-        if training and self.autoupdate_scales and self._pending_update():
-            self.update_scales(recipe)
-        observer = self.fp8_observer
+        # training mode records amaxes and uses the recipe's scaling; eval mode casts with current scaling and leaves
+        # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
+        # under no_grad, and it must cast exactly as its recomputation will.)
+        training = self.training
+        if training and self.autoupdate_scales and not _recomputing():
+            self.update_scales()  # a no-op when nothing was recorded since the last close
+        observer = None if torch.compiler.is_compiling() else self.fp8_observer
         if observer is not None:
             observer("input", x)
             observer("weight", weight)
-        return _FP8LinearFunction.apply(x, weight, self.bias, self.fp8_meta, recipe, training, observer)
+        meta = self.fp8_meta
+        x2d = x.reshape(-1, weight.shape[1])
+        needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
+        materialize = needs_wgrad and kernels.materializes_transpose(x2d)
+        x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
+        w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
+        # x in FP8, in the layout the weight-gradient GEMM reads (x^T materialised where the cast writes it)
+        x_wgrad = (x_t.t() if x_t is not None else x_fp8) if needs_wgrad else None
+        cfg = GemmConfig.build(recipe, _output_dtype(x), training)
+        out = apply_fp8_gemms(
+            x2d, weight, self.bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
+            observer, cfg,
+        )
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @torch.no_grad()
     def _record_calibration(self, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -205,10 +153,9 @@ class FP8Layer(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not say how to revert itself")
 
     def reset_fp8_state(self) -> None:
-        """Forget every role's scale and amax history (e.g. before retrying FP8 after a fallback: old scales may be
-        stale); the next training step starts with current scaling."""
-        for state in self.fp8_meta.states().values():
-            state.reset()
+        """Forget every role's amax history (e.g. before retrying FP8 after a fallback: old scales may be stale);
+        the next training step starts with current scaling."""
+        self.fp8_meta.reset()
 
     def sync_precision_flag(self) -> None:
         """Re-read the precision switch from its buffer after the buffer was written in place (a rollback)."""

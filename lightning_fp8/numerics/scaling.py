@@ -1,143 +1,171 @@
-"""Per-tensor scaling: where every scale in the library is computed and updated.
+"""Per-tensor scaling: where every scale in the library is defined, as functions of tensors.
 
-Rules (one place, tested in tests/test_scaling.py):
-- scale = fp8_max / amax / 2**margin, the multiplier applied before the cast (TE's convention).
-- amax == 0 (the tensor was all zeros, or the layer did not run): keep the previous scale.
-- amax inf or NaN: an *overflow event*. It is counted in `overflow_count`, never written into the amax history,
-  and the scale is kept, so one bad step cannot poison the scales of the steps that follow.
-- A scale that would be infinite (amax tiny) is clamped to the largest float32.
-- Delayed scaling: the amax of the step being computed accumulates (max) in amax_history[0]; `update()` (after
-  each optimizer step, or lazily at the next forward) computes the new scale from the history ("max" or
-  "most_recent"), then rolls the history and opens a fresh slot 0.
-- Current scaling: the scale comes from the amax of the tensor being cast, right now.
-- A delayed-scaling state that has never seen an amax (`initialized` False) uses current scaling for its casts,
-  so the first steps are safe without a calibration pass.
+The state of one tensor role (input, weight or gradient of one layer) is its **amax history**, a float32 vector of
+L + 1 slots: slot 0 accumulates the raw amax of the step in progress (max over every cast of the step: gradient
+accumulation, a layer called twice), slots 1..L hold the amaxes of the last L completed steps, newest first.
+Everything else is derived from it, so there is nothing else to keep consistent:
 
-All of this stays in tensor operations: no host synchronisation in the training step.
+- scale = fp8_max / amax / 2**margin (TE's convention: the multiplier applied before the cast), clamped to the
+  largest float32, optionally rounded down to a power of two (then scaling and unscaling are exact).
+- delayed scaling: a cast uses the scale of the *reference amax* of the completed steps, max(slots 1..L) ("max") or
+  slot 1 ("most_recent"). A role whose completed steps hold no amax (a fresh layer) casts with current scaling, so
+  the first steps are safe without calibration. The scale is derived at cast time under the *cast's* recipe, so a
+  recipe override (`fp8_autocast(recipe=...)`) can never use a scale sized for another format.
+- current scaling: the scale of the amax of the tensor being cast.
+- amax 0, inf or NaN never produce a scale: the previous one is kept (`scale_from_amax`'s fallback).
+
+Closing a step (`close_step`, once per optimizer step, for every layer at once by the engine or lazily by a layer
+without one) turns slot 0 into history:
+- a non-finite amax is an *overflow event*: counted, never written into the history (so one bad step cannot poison
+  the scales of the steps that follow). For a role cast without a scale (scale_gradients=False), a finite amax above
+  the format's range is saturation the cast hid, and counts as an overflow too.
+- a delayed-scaling step whose amax exceeded the range of the scale its casts used is a *clip*: counted.
+- a taken step with a non-zero amax shifts into slot 1; a rejected (skipped) step, or a role that saw only zeros or
+  did not run, leaves the history as it was. Slot 0 is cleared either way.
+
+All of it stays in tensor operations on any leading shape ([L+1], [3, L+1], [layers, 3, L+1]), with no host
+synchronisation, so one call closes every role of every layer of a model. The CUDA cast kernels compute the same
+scales in-kernel (kernels/triton_cast.py) and are tested bit-exactly against these functions.
 """
 from __future__ import annotations
 
-
+from typing import Tuple, Union
 
 import torch
-from torch import nn
-
-from lightning_fp8.numerics.formats import FP8Format
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+Scalarish = Union[float, int, bool, torch.Tensor]
+
+
+def power_of_2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= scale (positive finite scale). frexp gives the exact binary exponent
+    (scale = m * 2**e, 0.5 <= m < 1); floor(log2(.)) rounds up just below a power of two, and the resulting scale
+    would clip the amax itself."""
+    _, exponent = torch.frexp(scale)
+    return torch.ldexp(torch.ones_like(scale), exponent - 1)
 
 
 def scale_from_amax(
     amax: torch.Tensor,
-    fp8_max: float,
-    margin: int,
-    previous_scale: torch.Tensor,
-    power_of_2: bool = False,
+    fp8_max: Scalarish,
+    margin: Scalarish,
+    previous_scale: Union[torch.Tensor, float],
+    power_of_2: Scalarish = False,
 ) -> torch.Tensor:
-    """New scale for an amax, falling back to `previous_scale` when amax is 0, inf or NaN."""
+    """New scale for an amax, falling back to `previous_scale` when amax is 0, inf or NaN. Elementwise: every
+    argument may be a tensor broadcastable to amax (one format / margin / power-of-2 choice per role)."""
     usable = torch.isfinite(amax) & (amax > 0)
     safe_amax = torch.where(usable, amax, torch.ones_like(amax))
-    scale = (fp8_max / safe_amax) / (2.0**margin)
+    if isinstance(margin, torch.Tensor):
+        divisor = torch.exp2(margin.to(torch.float32))
+    else:
+        divisor = 2.0**margin
+    # IEEE float32 divisions, as the kernels compute them (a Python number over a tensor would be computed by torch
+    # as reciprocal-then-multiply, which rounds twice)
+    numerator = fp8_max if isinstance(fp8_max, torch.Tensor) else torch.full_like(safe_amax, float(fp8_max))
+    scale = torch.div(numerator, safe_amax) / divisor
     scale = torch.clamp(scale, max=_FLOAT32_MAX)
-    if power_of_2:
-        # frexp gives the exact binary exponent (scale = m * 2**e, 0.5 <= m < 1); floor(log2(.)) rounds up just
-        # below a power of two, and the resulting scale would clip the amax itself
-        _, exponent = torch.frexp(scale)
-        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    if isinstance(power_of_2, torch.Tensor):
+        scale = torch.where(power_of_2, power_of_2_floor(scale), scale)
+    elif power_of_2:
+        scale = power_of_2_floor(scale)
+    if not isinstance(previous_scale, torch.Tensor):
+        previous_scale = torch.full_like(scale, float(previous_scale))
     return torch.where(usable, scale, previous_scale)
 
 
-class ScalingState(nn.Module):
-    """Scaling metadata of one tensor role of one layer, kept as buffers.
-
-    Buffers (all in the state_dict, so checkpoints carry them and they round-trip exactly):
-      scale           float32 scalar, the quantization multiplier in use
-      amax_history    float32 [L]; slot 0 is the step in progress, 1.. are past steps, newest first
-      overflow_count  int64 scalar, casts whose amax was inf/NaN
-      clip_count      int64 scalar, casts where some finite value exceeded the range and was saturated
-      initialized     bool scalar, a delayed scale has been computed from a real amax
-    """
-
-    def __init__(self, history_len: int, device=None) -> None:
-        super().__init__()
-        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
-        self.register_buffer("amax_history", torch.zeros(history_len, dtype=torch.float32, device=device))
-        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("clip_count", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool, device=device))
-        # host-side flag: an amax was recorded since the last update (not state: an update is due, nothing more)
-        self.pending_update = False
-
-    # -- checkpoint compatibility -------------------------------------------------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # A checkpoint of a plain nn.Linear has no FP8 metadata: keep our freshly initialised values instead of
-        # failing a strict load. A history of another length is resized (newest entries kept).
-        for name, buf in self._buffers.items():
-            key = prefix + name
-            if key not in state_dict:
-                state_dict[key] = buf.detach().clone()
-            elif name == "amax_history" and state_dict[key].shape != buf.shape:
-                state_dict[key] = _resize_history(state_dict[key], buf.numel())
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-
-    # -- the two operations of a step ---------------------------------------------------------------------------
-    def scale_for_cast(self, amax: torch.Tensor, fmt: FP8Format, scaling: str, margin: int, power_of_2: bool) -> torch.Tensor:
-        """The scale to cast a tensor whose amax is `amax` with, under `scaling` ("delayed" or "current")."""
-        current = scale_from_amax(amax, fmt.max, margin, self.scale, power_of_2)
-        if scaling == "current":
-            return current
-        return torch.where(self.initialized, self.scale, current)
-
-    @torch.no_grad()
-    def record(self, amax: torch.Tensor, used_scale: torch.Tensor, fmt: FP8Format, scaling: str) -> None:
-        """Account for one cast in training: amax into slot 0 (if finite), counters, and for current scaling
-        the scale itself (so the state shows what was used)."""
-        finite = torch.isfinite(amax)
-        self.overflow_count += (~finite).to(torch.int64)
-        self.clip_count += (finite & (amax * used_scale > fmt.max)).to(torch.int64)
-        self.observe_amax(amax)
-        if scaling == "current":
-            self.scale.copy_(used_scale)
-
-    @torch.no_grad()
-    def observe_amax(self, amax: torch.Tensor) -> None:
-        """Accumulate a finite amax into slot 0 without a cast (what calibration does); inf/NaN are not recorded."""
-        finite = torch.isfinite(amax)
-        self.amax_history[0] = torch.where(finite, torch.maximum(self.amax_history[0], amax), self.amax_history[0])
-        self.pending_update = True
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Forget the amax history and the scale (counters are kept: they are the layer's record). The next cast
-        uses current scaling, as a fresh state does."""
-        self.amax_history.zero_()
-        self.scale.fill_(1.0)
-        self.initialized.fill_(False)
-        self.pending_update = False
-
-    @torch.no_grad()
-    def update(self, fmt: FP8Format, scaling: str, algo: str, margin: int, power_of_2: bool, scaled: bool = True) -> None:
-        """End of a step: new delayed scale from the history, then roll the history."""
-        if scaling == "delayed" and scaled:
-            amax = self.amax_history.max() if algo == "max" else self.amax_history[0]
-            new_scale = scale_from_amax(amax, fmt.max, margin, self.scale, power_of_2)
-            self.scale.copy_(new_scale)
-            self.initialized |= torch.isfinite(amax) & (amax > 0)
-        self.amax_history.copy_(torch.roll(self.amax_history, 1))
-        self.amax_history[0] = 0.0
-        self.pending_update = False
-
-    def scale_inv(self) -> torch.Tensor:
-        return self.scale.reciprocal()
+def reference_amax(history: torch.Tensor, algo_max: Union[bool, torch.Tensor]) -> torch.Tensor:
+    """The amax a delayed-scaling cast sizes its scale for: max of the completed steps (slots 1..L) or the most
+    recent one (slot 1). history: [..., L+1]; algo_max: True for "max" (or a bool tensor, one per row)."""
+    past = history[..., 1:]
+    if isinstance(algo_max, torch.Tensor):
+        return torch.where(algo_max, past.amax(dim=-1), past[..., 0])
+    return past.amax(dim=-1) if algo_max else past[..., 0]
 
 
-def _resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
-    if history.numel() >= length:
-        return history[:length].clone()
-    out = torch.zeros(length, dtype=history.dtype, device=history.device)
-    out[: history.numel()] = history
-    return out
+def cast_scale(
+    history: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_max: float,
+    scaling: str,
+    algo_max: bool,
+    margin: int,
+    power_of_2: bool,
+) -> torch.Tensor:
+    """The quantization scale of one cast. history: the role's [L+1] amax history; amax: max|x| of the tensor
+    being cast (used by current scaling, and by delayed scaling before the role has history).
+
+    scaling: "delayed", "current", or "none" (scale 1: a gradient cast without per-tensor scaling)."""
+    if scaling == "none":
+        return torch.ones((), dtype=torch.float32, device=amax.device)
+    # the scale of the last completed step: what "keep the previous scale" falls back to
+    previous = scale_from_amax(history[1], fp8_max, margin, 1.0, power_of_2)
+    current = scale_from_amax(amax, fp8_max, margin, previous, power_of_2)
+    if scaling == "current":
+        return current
+    ref = reference_amax(history, algo_max)
+    delayed = scale_from_amax(ref, fp8_max, margin, current, power_of_2)  # no reference amax yet: current scaling
+    return delayed
 
 
+def step_flags(
+    history: torch.Tensor,
+    fp8_max: torch.Tensor,
+    scaled: torch.Tensor,
+    delayed: torch.Tensor,
+    algo_max: torch.Tensor,
+    margin: torch.Tensor,
+    power_of_2: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(step amax with non-finite values cleared, overflow, clip) of the step in progress, per row.
 
-__all__ = ["ScalingState", "scale_from_amax"]
+    history: [..., L+1]; the other arguments are per-row recipe constants broadcastable to history[..., 0]."""
+    amax = history[..., 0]
+    finite = torch.isfinite(amax)
+    overflow = ~finite | (~scaled & (amax > fp8_max))
+    ref = reference_amax(history, algo_max)
+    used = scale_from_amax(ref, fp8_max, margin, 1.0, power_of_2)
+    clip = finite & scaled & delayed & (ref > 0) & (amax * used > fp8_max)
+    clean = torch.where(finite, amax, torch.zeros_like(amax))
+    return clean, overflow, clip
+
+
+def advance_history(history: torch.Tensor, step_amax: torch.Tensor, taken: Union[bool, torch.Tensor]) -> torch.Tensor:
+    """The history after a step: a taken step with a non-zero (finite) amax shifts into slot 1; otherwise the
+    completed slots are unchanged. Slot 0 is cleared. history: [..., L+1]; step_amax: [...] (finite)."""
+    advance = step_amax > 0
+    if isinstance(taken, torch.Tensor):
+        advance = advance & taken
+    elif not taken:
+        advance = torch.zeros_like(advance)
+    shifted = torch.cat([step_amax.unsqueeze(-1), history[..., 1:-1]], dim=-1)
+    past = torch.where(advance.unsqueeze(-1), shifted, history[..., 1:])
+    return torch.cat([torch.zeros_like(step_amax).unsqueeze(-1), past], dim=-1)
+
+
+def close_step(
+    history: torch.Tensor,
+    fp8_max: torch.Tensor,
+    scaled: torch.Tensor,
+    delayed: torch.Tensor,
+    algo_max: torch.Tensor,
+    margin: torch.Tensor,
+    power_of_2: torch.Tensor,
+    taken: Union[bool, torch.Tensor] = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(new history, overflow, clip) after closing the step in progress (see the module docstring); a single
+    process's version of what the engine does around a cross-rank MAX of the step amax."""
+    clean, overflow, clip = step_flags(history, fp8_max, scaled, delayed, algo_max, margin, power_of_2)
+    return advance_history(history, clean, taken), overflow, clip
+
+
+__all__ = [
+    "scale_from_amax",
+    "power_of_2_floor",
+    "reference_amax",
+    "cast_scale",
+    "step_flags",
+    "advance_history",
+    "close_step",
+]

@@ -1,0 +1,197 @@
+"""FP8LinearMeta: the FP8 scaling state of one layer, as a few buffers the whole model's steps can close at once.
+
+Buffers (what `fp8_state_dict` saves; they round-trip exactly):
+  amax_history    float32 [3, L+1]: one row per tensor role (input, weight, grad_output), slot 0 the step in
+                  progress, slots 1..L the completed steps (see lightning_fp8/numerics/scaling.py)
+  overflow_count  int64 [3]: steps whose amax was inf / NaN (or, unscaled, beyond the format's range)
+  clip_count      int64 [3]: delayed-scaling steps whose amax exceeded the range of the scale the casts used
+  enabled         bool: the layer's precision switch (False: the layer computes in BF16)
+
+Scales are not stored: every cast derives its scale from the history under its own recipe, and `scale(role)` /
+`meta.input.scale` show the scale the next step's casts will use. The recipe's per-role constants (format range,
+margin, ...) are kept as non-persistent buffers so the per-step update runs on the device without host data.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from lightning_fp8.numerics.scaling import reference_amax, scale_from_amax
+from lightning_fp8.recipe import ROLES, FP8Recipe
+
+ROLE_INDEX = {role: i for i, role in enumerate(ROLES)}
+
+
+class FP8LinearMeta(nn.Module):
+    """The FP8 metadata of one layer (see the module docstring)."""
+
+    def __init__(self, recipe: FP8Recipe, device=None) -> None:
+        super().__init__()
+        n = len(ROLES)
+        self.register_buffer("amax_history", torch.zeros(n, recipe.amax_history_len + 1, dtype=torch.float32, device=device))
+        self.register_buffer("overflow_count", torch.zeros(n, dtype=torch.int64, device=device))
+        self.register_buffer("clip_count", torch.zeros(n, dtype=torch.int64, device=device))
+        self.register_buffer("enabled", torch.ones((), dtype=torch.bool, device=device))
+        self.set_recipe(recipe)
+
+    # -- recipe constants ----------------------------------------------------------------------------------------
+    def set_recipe(self, recipe: FP8Recipe) -> None:
+        """Adopt a recipe: per-role constants on the device, the history resized if the length changed."""
+        self.recipe = recipe
+        device = self.amax_history.device
+        fmts = [recipe.format_for(role) for role in ROLES]
+        constants = {
+            "fp8_max": torch.tensor([f.max for f in fmts], dtype=torch.float32, device=device),
+            "scaled": torch.tensor([recipe.uses_scaling_for(r) for r in ROLES], dtype=torch.bool, device=device),
+            "delayed": torch.tensor([recipe.scaling == "delayed"] * len(ROLES), dtype=torch.bool, device=device),
+            "algo_max": torch.tensor([recipe.amax_compute_algo == "max"] * len(ROLES), dtype=torch.bool, device=device),
+            "margin": torch.tensor([float(recipe.margin)] * len(ROLES), dtype=torch.float32, device=device),
+            "power_of_2": torch.tensor([recipe.power_of_2_scales] * len(ROLES), dtype=torch.bool, device=device),
+        }
+        for name, value in constants.items():
+            self.register_buffer(f"recipe_{name}", value, persistent=False)
+        if self.amax_history.shape[1] != recipe.amax_history_len + 1:
+            self.amax_history = _resize_history(self.amax_history, recipe.amax_history_len + 1)
+
+    def constants(self) -> Dict[str, torch.Tensor]:
+        """The per-role recipe constants close_step takes (fp8_max, scaled, delayed, algo_max, margin, power_of_2)."""
+        return {name: getattr(self, f"recipe_{name}") for name in ("fp8_max", "scaled", "delayed", "algo_max", "margin", "power_of_2")}
+
+    # -- views per role ------------------------------------------------------------------------------------------
+    def role(self, role: str) -> "RoleState":
+        return RoleState(self, role)
+
+    @property
+    def input(self) -> "RoleState":
+        return RoleState(self, "input")
+
+    @property
+    def weight(self) -> "RoleState":
+        return RoleState(self, "weight")
+
+    @property
+    def grad_output(self) -> "RoleState":
+        return RoleState(self, "grad_output")
+
+    def states(self) -> Dict[str, "RoleState"]:
+        return {role: RoleState(self, role) for role in ROLES}
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Forget the amax history (the counters are the layer's record and stay): the next casts use current
+        scaling, as a fresh layer's do."""
+        self.amax_history.zero_()
+
+    # -- checkpoint compatibility --------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        _upgrade_per_role_layout(state_dict, prefix)
+        for name, buf in self._buffers.items():
+            if name.startswith("recipe_"):
+                continue
+            key = prefix + name
+            if key not in state_dict:
+                # a checkpoint of a plain layer: keep the fresh values instead of failing a strict load
+                state_dict[key] = buf.detach().clone()
+            elif name == "amax_history" and state_dict[key].shape != buf.shape:
+                state_dict[key] = _resize_history(state_dict[key], buf.shape[1])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class RoleState:
+    """One tensor role's view of a layer's FP8LinearMeta (`layer.fp8_meta.input`, `.weight`, `.grad_output`).
+
+    `amax_history`, `overflow_count` and `clip_count` are views into the layer's buffers; `scale` and `initialized`
+    are derived: the scale the role's next delayed-scaling cast will use under the layer's recipe, and whether the
+    role has a completed step to size it from."""
+
+    __slots__ = ("meta", "name", "index")
+
+    def __init__(self, meta: FP8LinearMeta, role: str) -> None:
+        self.meta = meta
+        self.name = role
+        self.index = ROLE_INDEX[role]
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        return self.meta.amax_history[self.index]
+
+    @property
+    def overflow_count(self) -> torch.Tensor:
+        return self.meta.overflow_count[self.index]
+
+    @property
+    def clip_count(self) -> torch.Tensor:
+        return self.meta.clip_count[self.index]
+
+    @property
+    def initialized(self) -> torch.Tensor:
+        recipe = self.meta.recipe
+        return reference_amax(self.amax_history, recipe.amax_compute_algo == "max") > 0
+
+    def scale_for(self, recipe: Optional[FP8Recipe] = None) -> torch.Tensor:
+        """The scale of the role's next delayed-scaling cast under `recipe` (default: the layer's); 1 for a role
+        cast without a scale, and the last completed step's scale for current scaling."""
+        recipe = recipe or self.meta.recipe
+        if not recipe.uses_scaling_for(self.name):
+            return torch.ones((), dtype=torch.float32, device=self.amax_history.device)
+        history = self.amax_history
+        ref = reference_amax(history, recipe.amax_compute_algo == "max") if recipe.scaling == "delayed" else history[1]
+        fmt = recipe.format_for(self.name)
+        return scale_from_amax(ref, fmt.max, recipe.margin, 1.0, recipe.power_of_2_scales)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.scale_for()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """This role's state (views of the layer's buffers) and the derived scale, for inspection."""
+        return {
+            "amax_history": self.amax_history,
+            "overflow_count": self.overflow_count,
+            "clip_count": self.clip_count,
+            "scale": self.scale,
+            "initialized": self.initialized,
+        }
+
+    @torch.no_grad()
+    def observe_amax(self, amax: torch.Tensor) -> None:
+        """Accumulate an amax into the step in progress without a cast (what calibration does)."""
+        slot = self.meta.amax_history[self.index, 0]
+        slot.copy_(torch.maximum(slot, amax.to(slot.device, torch.float32)))
+
+    def __repr__(self) -> str:
+        return f"RoleState({self.name})"
+
+
+def _resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """Keep the newest entries (slot 0 and the most recent completed steps) when the history length changes."""
+    if history.shape[-1] >= length:
+        return history[..., :length].clone()
+    out = torch.zeros(*history.shape[:-1], length, dtype=history.dtype, device=history.device)
+    out[..., : history.shape[-1]] = history
+    return out
+
+
+def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
+    """State written before the per-layer layout had one module per role (`<prefix><role>.amax_history` of length L
+    with slot 0 the open step, `.scale`, `.initialized`, counters): stack it into the [3, L+1] layout."""
+    old = [f"{prefix}{role}.amax_history" for role in ROLES]
+    if not all(key in state_dict for key in old):
+        return
+    rows = [state_dict.pop(key) for key in old]
+    length = max(r.numel() for r in rows)
+    history = torch.stack([torch.cat([r, r.new_zeros(length + 1 - r.numel())]) for r in rows])
+    history[:, 0] = 0.0  # the open step of a saved state is empty (saved states were taken between steps)
+    state_dict[prefix + "amax_history"] = history
+    for name in ("overflow_count", "clip_count"):
+        keys = [f"{prefix}{role}.{name}" for role in ROLES]
+        if all(key in state_dict for key in keys):
+            state_dict[prefix + name] = torch.stack([state_dict.pop(key).reshape(()) for key in keys])
+    for role in ROLES:
+        for name in ("scale", "initialized"):
+            state_dict.pop(f"{prefix}{role}.{name}", None)
+
+
+__all__ = ["FP8LinearMeta", "RoleState", "ROLE_INDEX"]

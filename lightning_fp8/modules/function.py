@@ -1,0 +1,149 @@
+"""The one autograd function of FP8 layers: the three GEMMs of y = x W^T + b, each on FP8 operands.
+
+  forward  y  = x  @ W^T      input (E4M3)        x weight (E4M3)
+  dgrad    dx = dy @ W        grad_output (E5M2)  x weight (E4M3)
+  wgrad    dW = dy^T @ x      grad_output (E5M2)  x input (E4M3)      (formats of the HYBRID recipe)
+
+The forward's casts of x and W happen *before* this function, in FP8Layer.forward (their state updates then live in
+the main graph, which is what lets `torch.compile` trace a whole model without a break); the function receives the
+FP8 operands, their scales and, for the gradient cast, the layer's amax history, which its backward updates in place
+(a custom op with a declared mutation). Only tensors and constants cross `apply`.
+
+What backward keeps: x in FP8 (1 byte per element, in the layout wgrad reads), the scales, and the weight Parameter
+itself (no copy): the weight is re-cast with the forward's scale in the layout dgrad reads.
+
+Output dtypes: every GEMM produces the compute dtype (the autocast dtype, else the input's), as nn.Linear under
+autocast does; dx and dW are then converted to the dtypes of x and W. (On the emulated path this is what makes a BF16
+GEMM faithful, see lightning_fp8/modules/gemm.py.)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from lightning_fp8 import kernels
+from lightning_fp8.modules.cast import cast_to_fp8, scaling_mode
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX
+from lightning_fp8.modules.gemm import fp8_gemm
+from lightning_fp8.numerics.formats import get_format
+from lightning_fp8.recipe import FP8Recipe
+
+
+class GemmConfig(NamedTuple):
+    """Constants of one call (primitives only, so torch.compile specialises on them)."""
+
+    out_dtype: torch.dtype  # the compute dtype: every GEMM's output dtype
+    weight_fmt: str
+    grad_fmt: str
+    grad_scaling: str  # "delayed" | "current" | "none"
+    algo_max: bool
+    margin: int
+    power_of_2: bool
+    grad_stochastic: bool
+    record: bool
+    fast_accum: bool
+    backend: str
+
+    @staticmethod
+    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool) -> "GemmConfig":
+        return GemmConfig(
+            out_dtype=out_dtype,
+            weight_fmt=recipe.format_for("weight").name,
+            grad_fmt=recipe.format_for("grad_output").name,
+            grad_scaling=scaling_mode(recipe, "grad_output", record),
+            algo_max=recipe.amax_compute_algo == "max",
+            margin=recipe.margin,
+            power_of_2=recipe.power_of_2_scales,
+            grad_stochastic=recipe.rounding_for("grad_output") == "stochastic",
+            record=record,
+            fast_accum=recipe.fast_accum_forward,
+            backend=recipe.backend,
+        )
+
+
+class FP8Gemms(torch.autograd.Function):
+    """apply(x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg).
+
+    x2d / weight / bias carry the autograd graph (their gradients come back); x_wgrad is x in FP8 in the layout the
+    weight-gradient GEMM reads (None when no weight gradient is needed); w_fp8 is the weight cast (out, in); history
+    is the layer's [3, L+1] amax history (backward accumulates the gradient's amax into it)."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg):
+        out = fp8_gemm(
+            x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, cfg.out_dtype, bias, cfg.fast_accum, cfg.backend
+        )
+        ctx.cfg = cfg
+        ctx.observer = observer
+        ctx.x_dtype = x2d.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(
+            x_wgrad if ctx.needs_input_grad[1] else None,
+            x_scale_inv,
+            weight if ctx.needs_input_grad[0] else None,
+            w_scale,
+            w_scale_inv,
+            history,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_wgrad, x_scale_inv, weight, w_scale, w_scale_inv, history = ctx.saved_tensors
+        cfg: GemmConfig = ctx.cfg
+        needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        g = grad_out
+        if ctx.observer is not None:
+            ctx.observer("grad_output", g)
+        noise = torch.rand(g.shape, device=g.device, dtype=torch.float32) if cfg.grad_stochastic else None
+        materialize = needs_wgrad and kernels.materializes_transpose(g)
+        g_fp8, g_t, _, g_scale_inv = kernels.scaled_cast(
+            g, history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.grad_scaling, cfg.algo_max, cfg.margin,
+            cfg.power_of_2, write_t=materialize, record=cfg.record, noise=noise,
+        )
+        grad_x = grad_w = grad_b = None
+        if needs_dgrad:
+            # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)
+            if kernels.materializes_transpose(weight):
+                w_b = cast_to_fp8(weight, w_scale, _fmt(cfg.weight_fmt), layout="t").t()
+            else:
+                w_b = cast_to_fp8(weight, w_scale, _fmt(cfg.weight_fmt))
+            grad_x = fp8_gemm(g_fp8, g_scale_inv, w_b, w_scale_inv, cfg.out_dtype, None, False, cfg.backend)
+            if grad_x.dtype != ctx.x_dtype:
+                grad_x = grad_x.to(ctx.x_dtype)
+        if needs_wgrad:
+            g_a = g_t if g_t is not None else g_fp8.t()
+            grad_w = fp8_gemm(g_a, g_scale_inv, x_wgrad, x_scale_inv, cfg.out_dtype, None, False, cfg.backend)
+            if grad_w.dtype != ctx.weight_dtype:
+                grad_w = grad_w.to(ctx.weight_dtype)
+        if needs_bgrad:
+            grad_b = g.sum(0, dtype=torch.float32)
+            if grad_b.dtype != ctx.bias_dtype:
+                grad_b = grad_b.to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+
+
+def _fmt(name: str):
+    return get_format(name)
+
+
+def apply_fp8_gemms(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    x_fp8: torch.Tensor,
+    x_wgrad: Optional[torch.Tensor],
+    x_scale_inv: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    history: torch.Tensor,
+    observer,
+    cfg: GemmConfig,
+) -> torch.Tensor:
+    return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg)
+
+
+__all__ = ["FP8Gemms", "GemmConfig", "apply_fp8_gemms"]
