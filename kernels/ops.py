@@ -14,6 +14,7 @@ count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's
       elsewhere it is empty and callers use x_fp8.t() (the emulated GEMM reads any layout).
   lightning_fp8::close_scaling_step(history!, overflow_count!, clip_count!, constants..., taken)
       closing the step in progress of one layer's three roles (numerics.scaling.close_step), in place.
+      CUDA: 1 launch (kernels/triton_scaling.py).
 
 Each op runs the Triton kernel where it can (CUDA tensor, triton importable, not disabled; or a CPU tensor under
 TRITON_INTERPRET=1) and the torch reference (`reference.py`) everywhere else, so the op is valid on every device
@@ -264,8 +265,14 @@ def close_scaling_step_op(
     power_of_2: Tensor,
     taken: bool,
 ) -> None:
-    # CUDA runs the same torch reference (about 25 small launches): the plugins' engine closes the steps of every
-    # layer at once instead (lightning_fp8/engine/scales.py); this op serves a layer trained without an engine
+    # one Triton launch where the kernels run; the plugins' engine closes the steps of every layer at once instead
+    # (lightning_fp8/engine/scales.py): this op serves a layer trained without an engine
+    if triton_enabled_for(history) and history.is_contiguous():
+        from lightning_fp8.kernels.triton_scaling import launch_close_step
+
+        launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, delayed, algo_max, margin,
+                          power_of_2, taken)
+        return
     with torch.autocast(history.device.type, enabled=False):
         reference.close_step_reference(
             history, overflow_count, clip_count, (fp8_max, scaled, delayed, algo_max, margin, power_of_2), taken

@@ -115,6 +115,16 @@ def _scale_from_amax(amax, fallback, FP8_MAX: tl.constexpr, MARGIN_DIV: tl.const
 
 
 @triton.jit
+def _scale_from_amax_rt(amax, fallback, fp8_max, margin_div, pow2):
+    """`_scale_from_amax` with run-time (tensor) constants: one role's row of a recipe-constants table."""
+    safe = tl.where(_usable(amax), amax, 1.0)
+    scale = tl.div_rn(tl.div_rn(fp8_max + safe * 0.0, safe), margin_div + safe * 0.0)
+    scale = tl.minimum(scale, 3.4028234663852886e38)
+    scale = tl.where(pow2, (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True), scale)
+    return tl.where(_usable(amax), scale, fallback)
+
+
+@triton.jit
 def _derived_scale(
     hist_ptr, cur_amax_bits_ptr,
     HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,

@@ -40,7 +40,10 @@ class FP8Recipe:
         activations and weights stay deterministic so evaluation is reproducible.
     scale_gradients: False casts gradients with scale 1 and relies on loss scaling (the E5M2-everywhere recipe of
         Mellempudi et al.); the plugin's loss_scaling="auto" then turns dynamic loss scaling on.
-    power_of_2_scales: round scales down to a power of two, so scaling and unscaling are exact.
+    power_of_2_scales: round scales down to a power of two (default), so scaling and unscaling are exact: a scaled
+        value is the FP8 value with its exponent moved, nothing rounds twice. It costs at most one bit of the top
+        binade (the amax lands in [max/2, max] instead of at max); it is what lets the CPU emulation run its GEMMs in
+        BF16 faithfully (docs/numerics.md), and what blockwise FP8 recipes use (DeepSeek-V3, TE's block scaling).
     keep_first_last_in_bf16: the default filter keeps the first and the last linear of a model in BF16.
     skip_patterns: glob patterns of layer names (fully qualified) the default filter keeps in BF16.
     backend: GEMM backend: "auto" picks torch._scaled_mm on CUDA sm89+ and emulation elsewhere.
@@ -54,7 +57,7 @@ class FP8Recipe:
     margin: int = 0
     rounding: str = "nearest"
     scale_gradients: bool = True
-    power_of_2_scales: bool = False
+    power_of_2_scales: bool = True
     keep_first_last_in_bf16: bool = True
     skip_patterns: Tuple[str, ...] = field(default_factory=tuple)
     backend: str = "auto"

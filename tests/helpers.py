@@ -80,3 +80,41 @@ def full_state(model):
     from lightning_fp8 import fp8_state_dict
 
     return {**model.state_dict(), **fp8_state_dict(model)}
+
+
+class DispatchCount:
+    """Counts the operators dispatched inside the block (TorchDispatchMode sees each torch.library custom op as one
+    operator, whatever it runs inside). `non_view` leaves out the view ops (they launch no kernel on a GPU)."""
+
+    def __init__(self):
+        import collections
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.ops = collections.Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[func] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+    @staticmethod
+    def is_view(func) -> bool:
+        schema = func._schema
+        return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
+
+    @property
+    def non_view(self) -> int:
+        return sum(n for func, n in self.ops.items() if not self.is_view(func))
+
+    def of(self, name: str) -> int:
+        return sum(n for func, n in self.ops.items() if str(func).startswith(name))

@@ -15,9 +15,9 @@ from torch import nn
 
 from conftest import sqnr_db
 from helpers import RegressionModule, loader, trainer
-from lightning_fp8 import FP8Linear, FP8Precision, precision_map
+from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
-from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize
+from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize, scale_from_amax
 from lightning_fp8.numerics.stats import quantization_stats, sample_elements
 
 ROLES = ("input", "weight", "grad_output")
@@ -134,10 +134,11 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
                 assert float(r[f"fp8/{fqn}/{role}/clipped_casts"]) >= 0
     # step 0 casts with current scaling (no history yet): scale = fp8 max / amax exactly
     first = sampled[0]
-    assert float(first["fp8/net.2/input/scale"]) == pytest.approx(E4M3.max / float(first["fp8/net.2/input/amax"]), rel=1e-5)
-    assert float(first["fp8/net.2/grad_output/scale"]) == pytest.approx(
-        E5M2.max / float(first["fp8/net.2/grad_output/amax"]), rel=1e-5
-    )
+    pow2 = FP8Recipe().power_of_2_scales
+    for role, fmt in (("input", E4M3), ("grad_output", E5M2)):
+        amax = torch.tensor(float(first[f"fp8/net.2/{role}/amax"]))
+        expected = scale_from_amax(amax, fmt.max, 0, 1.0, pow2).item()
+        assert float(first[f"fp8/net.2/{role}/scale"]) == pytest.approx(expected, rel=1e-5)
     # the history file: run header, precision map, one stats line per sampled step
     records = history(tmp_path / "run" / "version_0")
     kinds = [r["type"] for r in records]
@@ -161,7 +162,7 @@ def test_monitor_statistics_are_those_of_the_cast(tmp_path):
     t.fit(model, loader())
     rec = monitor.last_record.layers["net.2"]["input"]
     x = captured["x"]
-    scale = torch.tensor(E4M3.max) / x.abs().max().float()
+    scale = scale_from_amax(x.abs().max().float(), E4M3.max, 0, 1.0, FP8Recipe().power_of_2_scales)
     expected = quantization_stats(x, scale, E4M3, sample_size=0)
     assert rec["scale"] == pytest.approx(scale.item(), rel=1e-6)
     assert rec["amax"] == pytest.approx(x.abs().max().item(), rel=1e-6)
@@ -184,7 +185,9 @@ class _HookAt(Callback):
 
 # -- FP8LayerFallback ------------------------------------------------------------------------------------------------
 def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, caplog):
-    """net.6's weight grows x10 per step for 4 steps (x1e4 in all): its weight cast clips, and so do the input of
+    """net.6's weight grows x30 per step for 4 steps (x8e5 in all; x30 so that every step's amax lands beyond
+    overflow_factor=8 times the range even under a power-of-two scale, which can sit up to 2x below the exact one):
+    its weight cast clips, and so do the input of
     net.8 (its output, a step later), and the gradients of net.2 / net.4 (backward through it). Only net.6, where the
     overflow originates, moves to BF16, with the reason; the loss stays finite; a resumed run has the same map."""
     caplog.set_level(logging.WARNING, logger="lightning_fp8")
@@ -195,7 +198,7 @@ def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, c
     logger = CSVLogger(tmp_path, name="run")
     t = trainer(
         plugins=[FP8Precision()], max_steps=12, max_epochs=-1, logger=logger, log_every_n_steps=1, enable_checkpointing=True,
-        callbacks=[GrowWeight("net.6", start=4, steps=4, factor=10.0), FP8ScaleMonitor(log_every_n_steps=1), fallback, ckpt],
+        callbacks=[GrowWeight("net.6", start=4, steps=4, factor=30.0), FP8ScaleMonitor(log_every_n_steps=1), fallback, ckpt],
     )
     t.fit(model, loader())
     pmap = {row.fqn: row for row in precision_map(model)}
@@ -345,7 +348,7 @@ def test_keep_in_bf16_and_retry(tmp_path):
             states[trainer.global_step] = (layer.fp8_enabled, bool(layer.fp8_meta.weight.initialized))
 
     t = trainer(plugins=[FP8Precision()], max_steps=12, max_epochs=-1, logger=CSVLogger(tmp_path, name="run"),
-                callbacks=[GrowWeight("net.6", start=3, steps=4, factor=10.0), fallback, Spy()])
+                callbacks=[GrowWeight("net.6", start=3, steps=4, factor=30.0), fallback, Spy()])
     t.fit(model, loader())
     kinds = [(e["kind"], e["layers"]) for e in fallback.events]
     assert kinds == [("keep_bf16", ["net.2"]), ("fallback", ["net.6"]), ("retry", ["net.6"])]

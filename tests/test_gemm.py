@@ -7,7 +7,7 @@ Tolerances:
 - `_scaled_mm` path vs emulation: float32 output: rtol 1e-6 (summation order only); bf16 output: two bf16 ulps
   (rtol 2**-7: each side rounds once, and `_scaled_mm` adds the bias already rounded to bf16), plus
   atol 2**-8 * max|bias| for that bias rounding.
-- FP8Linear compiled vs eager: bit-exact (same ops, same order, aot_eager runs the eager kernels).
+(torch.compile of whole FP8 models: tests/test_compile.py.)
 
 (Length: every GEMM path with its own tolerance, plus the TE stand-in fixture.)
 """
@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8.modules.gemm import FP8EmulationWarning, _scaled_mm_applies, _scaled_mm_gemm, emulated_gemm, fp8_gemm
+from lightning_fp8.modules.gemm import (
+    FP8EmulationWarning,
+    _scaled_mm_applies,
+    _scaled_mm_gemm,
+    emulated_gemm,
+    fp8_bf16_image,
+    fp8_gemm,
+)
+from lightning_fp8.numerics import E4M3, quantize
 
 HAS_CUDA = torch.cuda.is_available()
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -134,129 +142,6 @@ def test_scaled_mm_backend_requires_capable_gpu():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# torch.compile of FP8Linear
-# ------------------------------------------------------------------------------------------------------------------
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(FP8Linear(64, 64), nn.GELU(), FP8Linear(64, 32))
-
-
-def _train(model, steps=3, compile_=False):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fwd = torch.compile(model, backend="aot_eager") if compile_ else model
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(8, 64, generator=g, requires_grad=True)
-        loss = fwd(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses), x.grad
-
-
-def test_compiled_fp8linear_matches_eager():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FP8EmulationWarning)
-        eager_model, compiled_model = _model(), _model()
-        compiled_model.load_state_dict(eager_model.state_dict())
-        l_e, g_e = _train(eager_model)
-        l_c, g_c = _train(compiled_model, compile_=True)
-    assert torch.equal(l_e, l_c) and torch.equal(g_e, g_c)
-    sd_c = compiled_model.state_dict()
-    for k, v in eager_model.state_dict().items():
-        assert torch.equal(v, sd_c[k]), k
-
-
-@pytest.mark.xfail(
-    strict=False,
-    reason="FP8Linear's autograd.Function mutates ScalingState buffers and Python flags inside forward/backward "
-    "(a side effect dynamo cannot keep inside the autograd HOP): needs the linear.py restructuring described in "
-    "docs/benchmarks.md ('torch.compile')",
-)
-def test_fp8linear_compiles_without_graph_breaks():
-    model = _model()
-    x = torch.randn(8, 64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FP8EmulationWarning)
-        model(x).sum().backward()
-        explained = torch._dynamo.explain(lambda t: model(t).square().mean())(x)
-    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
-
-
-class _GradCastFn(torch.autograd.Function):
-    """The structure proposed for FP8Linear (see docs/benchmarks.md): casts of x and W happen outside the Function
-    (state updates in the main graph), only tensors and constants go into `apply`, and the backward's grad-output
-    bookkeeping mutates tensors passed in, in place. Dynamo keeps all of it in one graph."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow, fmt_max):
-        ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow)
-        ctx.fmt_max = fmt_max
-        return fp8_gemm(x_fp8, x_scale.reciprocal(), w_fp8.t(), w_scale.reciprocal(), torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from lightning_fp8.kernels import fp8_amax, fp8_cast
-        from lightning_fp8.numerics import scale_from_amax
-
-        x_fp8, x_scale, w_fp8, w_scale, g_history, g_overflow = ctx.saved_tensors
-        amax = fp8_amax(grad)
-        finite = torch.isfinite(amax)
-        g_overflow.add_((~finite).to(torch.int64))
-        g_history[:1].copy_(torch.where(finite, torch.maximum(g_history[0], amax), g_history[0]).reshape(1))
-        scale = scale_from_amax(amax, 57344.0, 0, torch.ones_like(amax))
-        g_fp8, g_fp8_t, _ = fp8_cast(grad, scale, "e5m2", write_t=True, compute_amax=False)
-        inv = scale.reciprocal()
-        grad_x = fp8_gemm(g_fp8, inv, w_fp8, w_scale.reciprocal(), torch.float32)
-        grad_w = fp8_gemm(g_fp8_t, inv, x_fp8, x_scale.reciprocal(), torch.float32)
-        return grad_x, grad_w, None, None, None, None, None, None, None
-
-
-class _CompileCleanLinear(nn.Module):
-    def __init__(self, n_in, n_out):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
-        self.register_buffer("g_history", torch.zeros(4))
-        self.register_buffer("g_overflow", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("x_history", torch.zeros(4))
-
-    def forward(self, x):
-        from lightning_fp8.kernels import fp8_amax, fp8_cast
-        from lightning_fp8.numerics import scale_from_amax
-
-        x_amax, w_amax = fp8_amax(x), fp8_amax(self.weight)
-        self.x_history[:1].copy_(torch.maximum(self.x_history[:1], x_amax))
-        one = torch.ones((), device=x.device)
-        xs, ws = scale_from_amax(x_amax, 448.0, 0, one), scale_from_amax(w_amax, 448.0, 0, one)
-        x_fp8 = fp8_cast(x, xs, "e4m3", compute_amax=False)[0]
-        w_fp8 = fp8_cast(self.weight, ws, "e4m3", compute_amax=False)[0]
-        return _GradCastFn.apply(x, self.weight, x_fp8, xs, w_fp8, ws, self.g_history, self.g_overflow, 57344.0)
-
-
-def test_proposed_structure_compiles_fullgraph_and_matches_eager():
-    torch.manual_seed(0)
-    eager = nn.Sequential(_CompileCleanLinear(64, 64), nn.GELU(), _CompileCleanLinear(64, 32))
-    comp = copy.deepcopy(eager)
-    x = torch.randn(8, 64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FP8EmulationWarning)
-        explained = torch._dynamo.explain(lambda t: comp(t).square().mean())(x)
-        assert explained.graph_break_count == 0 and explained.graph_count == 1
-        torch._dynamo.reset()
-        comp = copy.deepcopy(eager)
-        compiled = torch.compile(comp, backend="aot_eager", fullgraph=True)
-        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-        eager(xe).square().mean().backward()
-        compiled(xc).square().mean().backward()
-    assert torch.equal(xe.grad, xc.grad) and torch.equal(eager[0].weight.grad, comp[0].weight.grad)
-    for k, v in eager.state_dict().items():  # the in-place buffer updates happened in both
-        assert torch.equal(v, comp.state_dict()[k]), k
-    assert eager[0].g_history[0] > 0
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # Transformer Engine backend (TE is not installed here: error paths, and the recipe mapping on a stand-in)
 # ------------------------------------------------------------------------------------------------------------------
 def test_te_backend_clear_error_without_te():
@@ -329,9 +214,12 @@ def test_te_recipe_mapping_and_autocast(fake_te):
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
     cur = te_backend.te_recipe(FP8Recipe(scaling="current", format="e4m3"))
     assert type(cur).__name__ == "Float8CurrentScaling" and cur.fp8_format == fake_te.Format.E4M3
-    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(power_of_2_scales=True)):
+    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False)):
         with pytest.raises(ValueError, match="cannot express"):
             te_backend.te_recipe(bad)
+    te_backend._warned.clear()
+    with pytest.warns(UserWarning, match="power-of-two"):  # the default recipe: TE keeps its exact scales, and says so
+        te_backend.te_recipe(FP8Recipe(power_of_2_scales=True))
     with te_backend.te_autocast(FP8Recipe()):
         pass
     assert fake_te.entered and fake_te.entered[0]["enabled"] is True
@@ -387,3 +275,63 @@ def test_cuda_fp8linear_close_to_bf16():
         return 10 * torch.log10(b.float().square().mean() / (a.float() - b.float()).square().mean()).item()
 
     assert sqnr(y, y_ref) > 25 and sqnr(x2.grad, x.grad) > 20 and sqnr(fp8.weight.grad, lin.weight.grad) > 20
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The BF16 emulation is faithful (lightning_fp8/modules/gemm.py, `_bf16_gemm`)
+# ------------------------------------------------------------------------------------------------------------------
+def _grid_fp8(shape, dtype, seed):
+    """FP8 values that are multiples of 1/8 in [-16, 16]: products and sums of 64 of them are exact in float32, so
+    a float32 GEMM of them is exact and any rounding difference is the emulation's, not the summation order's."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-128, 129, shape, generator=g).float() / 8).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_emulation_rounds_once_like_scaled_mm(fmt, with_bias):
+    """With power-of-two scales and a bf16 output, the BF16-GEMM emulation gives round_bf16(acc * sa * sb + bias)
+    exactly, the one rounding `_scaled_mm` makes: bit-identical to the float32 emulation where the accumulation is
+    exact. (A bias added after a bf16 GEMM would round twice: that differs here in hundreds of elements.)"""
+    a, b = _grid_fp8((64, 64), torch.float8_e4m3fn, 0), _grid_fp8((64, 48), fmt, 1)
+    sa, sb = torch.tensor(2.0**-5), torch.tensor(2.0**3)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2)).bfloat16() if with_bias else None
+    exact = (a.double() @ b.double()) * (sa.double() * sb.double())
+    if with_bias:
+        exact = exact + bias.double()
+    out = emulated_gemm(a, sa, b, sb, torch.bfloat16, bias)
+    assert torch.equal(out, exact.to(torch.bfloat16))
+    assert torch.equal(out, emulated_gemm(a, sa, b, sb, torch.float32, bias).to(torch.bfloat16))
+    if with_bias:
+        twice = ((a.double() @ b.double()) * (sa.double() * sb.double())).to(torch.bfloat16).double() + bias.double()
+        assert (twice.to(torch.bfloat16) != out).sum() > 0  # the double rounding this avoids
+
+
+def test_bf16_emulation_on_random_operands_differs_from_float32_only_by_summation_order():
+    a = quantize(torch.randn(128, 512) * 40, torch.tensor(1.0), E4M3)
+    b = quantize(torch.randn(512, 96) * 40, torch.tensor(1.0), E4M3)
+    sa, sb = torch.tensor(2.0**-4), torch.tensor(0.5)
+    fast = emulated_gemm(a, sa, b, sb, torch.bfloat16).float()
+    ref = emulated_gemm(a, sa, b, sb, torch.float32)
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
+    assert ((fast - ref).abs() <= ulp).all()  # within one bf16 rounding of the float32 result
+    assert (fast != ref.bfloat16().float()).float().mean() < 0.01  # and equal to its rounding nearly everywhere
+
+
+def test_non_power_of_two_scales_use_the_float32_emulation():
+    a = quantize(torch.randn(32, 64), torch.tensor(1.0), E4M3)
+    b = quantize(torch.randn(64, 16), torch.tensor(1.0), E4M3)
+    sa, sb = torch.tensor(0.3), torch.tensor(1.7)
+    ref = (torch.mm(a.float(), b.float()) * (sa * sb)).bfloat16()
+    assert torch.equal(emulated_gemm(a, sa, b, sb, torch.bfloat16), ref)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_bf16_image_is_exact_for_every_code(fmt):
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt)
+    image, exponent = fp8_bf16_image(codes)
+    want = codes.float()
+    got = image.float() * 2.0**exponent
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite])

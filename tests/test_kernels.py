@@ -443,6 +443,28 @@ def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling
                 assert torch.equal(h_kernel.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
 
 
+@interp
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("taken", [True, False])
+def test_interp_close_step_kernel_matches_reference(triton_interp, name, taken):
+    from lightning_fp8.kernels.reference import close_step_reference
+    from lightning_fp8.kernels.triton_scaling import launch_close_step
+
+    recipe = RECIPES[name]
+    meta = FP8LinearMeta(recipe)
+    g = torch.Generator().manual_seed(3)
+    for case in range(4):
+        hist = torch.rand(meta.amax_history.shape, generator=g) * 10
+        hist[:, 0] = torch.tensor([[float("nan"), 3.0, 7.0e4], [0.0, 50.0, 1.0], [float("inf"), 0.0, 2.0],
+                                   [1.0, 2.0, 3.0]][case])
+        counters = [torch.randint(0, 5, (3,), generator=g) for _ in range(2)]
+        ref_h, ref_o, ref_c = hist.clone(), counters[0].clone(), counters[1].clone()
+        k_h, k_o, k_c = hist.clone(), counters[0].clone(), counters[1].clone()
+        close_step_reference(ref_h, ref_o, ref_c, tuple(meta.constants().values()), taken)
+        launch_close_step(k_h, k_o, k_c, *meta.constants().values(), taken)
+        assert torch.equal(k_h, ref_h) and torch.equal(k_o, ref_o) and torch.equal(k_c, ref_c), case
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CUDA: the real kernels (unverified until a GPU session runs `pytest -m cuda`)
 # ------------------------------------------------------------------------------------------------------------------

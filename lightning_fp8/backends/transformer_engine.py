@@ -14,7 +14,9 @@ What maps and what does not:
   format hybrid/e4m3      -> Format.HYBRID / Format.E4M3 (TE's recipes take no all-E5M2 format: ValueError)
   scaling delayed         -> DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo)
   scaling current         -> Float8CurrentScaling(fp8_format) (TE >= 2.2)
-  rounding="stochastic", scale_gradients=False, power_of_2_scales=True -> ValueError: TE has no equivalent
+  rounding="stochastic", scale_gradients=False -> ValueError: TE has no equivalent
+  power_of_2_scales=True (the default) -> TE's own exact scales, with a one-time warning saying so (a scale's
+                          rounding changes no FP8 code by more than one binade of headroom; nothing else differs)
 The engine's loss scaling, rollback and fallback keep working on top (they act on parameters and gradients),
 but TE layers have no `fp8_enabled` switch and no ScalingState, so per-layer fallback and the scale monitor see
 them as plain layers. Unverified here: this machine has neither a GPU nor TE; only the error paths and the
@@ -26,6 +28,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import warnings
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -65,6 +68,15 @@ def _te_recipe_module():
         raise ImportError(_INSTALL_HINT) from err
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def te_recipe(recipe: Optional[FP8Recipe] = None):
     """TE's recipe object for our FP8Recipe (DelayedScaling or Float8CurrentScaling)."""
     recipe = recipe if recipe is not None else FP8Recipe()
@@ -75,7 +87,10 @@ def te_recipe(recipe: Optional[FP8Recipe] = None):
     if not recipe.scale_gradients:
         unsupported.append("scale_gradients=False")
     if recipe.power_of_2_scales:
-        unsupported.append("power_of_2_scales=True")
+        _warn_once(
+            "lightning_fp8: Transformer Engine's delayed / current scaling recipes take no power-of-two option; "
+            "TE computes its own exact scales (FP8Recipe(power_of_2_scales=True) is not applied on this backend)."
+        )
     if recipe.format == "e5m2":
         unsupported.append("format='e5m2'")
     if unsupported:

@@ -63,14 +63,16 @@ class GemmConfig(NamedTuple):
 
 
 class FP8Gemms(torch.autograd.Function):
-    """apply(x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg).
+    """apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg).
 
-    x2d / weight / bias carry the autograd graph (their gradients come back); x_wgrad is x in FP8 in the layout the
-    weight-gradient GEMM reads (None when no weight gradient is needed); w_fp8 is the weight cast (out, in); history
-    is the layer's [3, L+1] amax history (backward accumulates the gradient's amax into it)."""
+    x2d / weight / bias carry the autograd graph (their gradients come back); x_fp8_t is x^T in FP8 where the cast
+    wrote it (CUDA: the layout the weight-gradient GEMM reads), else None and x_fp8 serves (the emulated GEMM reads
+    any layout); w_fp8 is the weight cast (out, in); history is the layer's [3, L+1] amax history (backward
+    accumulates the gradient's amax into it). Every tensor is passed once: torch.compile rejects duplicates."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg):
+    def forward(ctx, x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg):
+        x_wgrad = x_fp8_t.t() if x_fp8_t is not None else x_fp8
         out = fp8_gemm(
             x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, cfg.out_dtype, bias, cfg.fast_accum, cfg.backend
         )
@@ -134,7 +136,7 @@ def apply_fp8_gemms(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     x_fp8: torch.Tensor,
-    x_wgrad: Optional[torch.Tensor],
+    x_fp8_t: Optional[torch.Tensor],
     x_scale_inv: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
@@ -143,7 +145,7 @@ def apply_fp8_gemms(
     observer,
     cfg: GemmConfig,
 ) -> torch.Tensor:
-    return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg)
+    return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg)
 
 
 __all__ = ["FP8Gemms", "GemmConfig", "apply_fp8_gemms"]

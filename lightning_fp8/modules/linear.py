@@ -133,11 +133,9 @@ class FP8Layer(nn.Module):
         materialize = needs_wgrad and kernels.materializes_transpose(x2d)
         x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
         w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
-        # x in FP8, in the layout the weight-gradient GEMM reads (x^T materialised where the cast writes it)
-        x_wgrad = (x_t.t() if x_t is not None else x_fp8) if needs_wgrad else None
         cfg = GemmConfig.build(recipe, _output_dtype(x), training)
         out = apply_fp8_gemms(
-            x2d, weight, self.bias, x_fp8, x_wgrad, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
+            x2d, weight, self.bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
             observer, cfg,
         )
         return out.reshape(*x.shape[:-1], weight.shape[0])
