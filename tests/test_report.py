@@ -206,3 +206,35 @@ def test_cli_entry_point(tmp_path, capsys):
     assert "no fp8_history.jsonl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_healthy_cells_merge_problem_cells_do_not(tmp_path, monkeypatch, coarse):
+    """Consecutive samples of the same healthy level are one rectangle; in a large run (here: COARSE_CELLS lowered)
+    any consecutive healthy samples are, coloured by the worst; a sample beyond a threshold always keeps its own."""
+    from lightning_fp8.report import health_map
+
+    monkeypatch.setattr(health_map, "COARSE_CELLS", 100 if coarse else 10**9)
+    layers = [f"model.layers.{i}.mlp.fc{j}" for i in range(12) for j in (1, 2)]
+    lines = [{"type": "run", "version": 2, "thresholds": {"source": "FP8LayerFallback", "overflow_factor": 8.0,
+                                                          "min_sqnr_db": 10.0, "max_underflow": None}},
+             {"type": "precision_map", "step": 0, "layers": [{"fqn": f, "precision": "fp8", "reason": ""} for f in layers]}]
+    for k, step in enumerate(range(10, 501, 10)):
+        stats = {"scale": 1.0, "amax": 1.0, "overflow": 0.0, "underflow": 0.0, "sqnr_db": 30.0}
+        entry = {f: {"enabled": True, **{r: {**stats, "range_ratio": (0.9, 1.05)[k % 2]} for r in ("input", "weight", "grad_output")}}
+                 for f in layers}
+        if step == 250:
+            entry[layers[3]]["weight"]["range_ratio"] = 20.0
+        lines.append({"type": "stats", "step": step, "logger_step": step - 1, "layers": entry})
+    with open(tmp_path / "fp8_history.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(line) for line in lines) + "\n")
+    page = open(write_report(str(tmp_path))).read()
+    overflow_map = re.search(r'<svg [^>]*data-chart="map-overflow".*?</svg>', page, re.S).group(0)
+    cells = len(layers) * 3
+    if coarse:  # one span per row and role, two around the fault
+        assert overflow_map.count('class="cell tolerated"') == cells - 1 + 2 and 'class="cell ok"' not in overflow_map
+        assert "Large run: consecutive healthy samples" in page
+    else:  # alternating ok / tolerated samples: one rectangle each (25 + 25 per row and role; the fault replaced an ok)
+        assert overflow_map.count('class="cell tolerated"') == 25 * cells and overflow_map.count('class="cell ok"') == 25 * cells - 1
+    assert overflow_map.count('class="cell beyond"') == 1
+    assert f'class="cell beyond" data-layer="{layers[3]}" data-role="weight" data-step="250"' in overflow_map

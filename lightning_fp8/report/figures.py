@@ -4,9 +4,10 @@ time, throughput), the three health maps and each layer's charts. `lightning_fp8
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from lightning_fp8.report.health import ROLE_NAMES, Thresholds, level, mark_level
+from lightning_fp8.report import health_map as health_map_module
 from lightning_fp8.report.health_map import Cell, MapRow, Mark, health_map
 from lightning_fp8.report.history import ROLES, RunHistory, TensorMark, to_float
 from lightning_fp8.report.svg import EVENT_STYLE, Overlay, line_chart
@@ -93,20 +94,24 @@ def training_charts(history: RunHistory, log: TrainingLog, x_range, ov: Overlay)
 
 
 # -- health maps -------------------------------------------------------------------------------------------------
-def _detail(rule: str, stats: Dict, t: Thresholds) -> Tuple[str, float]:
-    """Tooltip text and badness score of one sampled role under one rule."""
+def _detail(rule: str, stats: Dict, limit: str) -> Tuple[Callable[[], str], float]:
+    """Tooltip text (lazy: most cells merge) and badness score of one sampled role under one rule."""
     if rule == "overflow":
         r = to_float(stats.get("range_ratio"))
-        text = (f"amax {to_float(stats.get('amax')):.3g} x scale {to_float(stats.get('scale')):.3g} = {r:.3g}x the FP8 range "
-                f"({t.describe(rule)}); overflow fraction {to_float(stats.get('overflow')):.2g}")
-        if "clipped_casts" in stats:
-            text += f"; casts that clipped since the previous sample: {stats['clipped_casts']}"
+
+        def text() -> str:
+            out = (f"amax {to_float(stats.get('amax')):.3g} x scale {to_float(stats.get('scale')):.3g} = {r:.3g}x the FP8 "
+                   f"range ({limit}); overflow fraction {to_float(stats.get('overflow')):.2g}")
+            if "clipped_casts" in stats:
+                out += f"; casts that clipped since the previous sample: {stats['clipped_casts']}"
+            return out
+
         return text, r if not math.isnan(r) else math.inf
     if rule == "precision":
         v = to_float(stats.get("sqnr_db"))
-        return f"SQNR {v:.1f} dB ({t.describe(rule)})", -v if not math.isnan(v) else -math.inf
+        return (lambda: f"SQNR {v:.1f} dB ({limit})"), -v if not math.isnan(v) else -math.inf
     v = to_float(stats.get("underflow"))
-    return f"{v:.3g} of the non-zero values flushed to zero ({t.describe(rule)})", v
+    return (lambda: f"{v:.3g} of the non-zero values flushed to zero ({limit})"), v
 
 
 def legend(rule: str, t: Thresholds) -> List[Tuple[str, str]]:
@@ -132,6 +137,7 @@ def legend(rule: str, t: Thresholds) -> List[Tuple[str, str]]:
 def map_rows(history: RunHistory, rule: str, layers: Sequence[str], marks: Sequence[TensorMark], t: Thresholds, names) -> List[MapRow]:
     stat = {"overflow": "range_ratio", "precision": "sqnr_db", "underflow": "underflow"}[rule]
     rows = {fqn: MapRow(fqn, names[fqn], {role: [] for role in ROLES}, [], history.layer_states(fqn)) for fqn in layers}
+    limit = t.describe(rule)
     previous = 0.0
     for step, entry in history.stats:
         for fqn, row in rows.items():
@@ -139,7 +145,7 @@ def map_rows(history: RunHistory, rule: str, layers: Sequence[str], marks: Seque
             for role in ROLES:
                 stats = roles.get(role) if isinstance(roles, dict) else None
                 if isinstance(stats, dict) and stat in stats:
-                    text, score = _detail(rule, stats, t)
+                    text, score = _detail(rule, stats, limit)
                     row.cells[role].append(Cell(previous, float(step), level(rule, to_float(stats[stat]), t), text, score))
         previous = float(step)
     for m in marks:
@@ -162,9 +168,16 @@ MAP_TITLES = {
 }
 
 
+def is_coarse(history: RunHistory, layers) -> bool:
+    """Large runs merge healthy cells of different levels (see lightning_fp8/report/health_map.py)."""
+    return len(layers) * len(history.stats) * len(ROLES) > health_map_module.COARSE_CELLS
+
+
 def health_maps(history: RunHistory, layers, marks, t: Thresholds, names, x_range, ov: Overlay) -> List[str]:
     map_overlay = Overlay(bands=ov.bands, lines=[line for line in ov.lines if line[3] == "rollback"], ticks=ov.ticks)
-    return [health_map(map_rows(history, rule, layers, marks, t, names), x_range, MAP_TITLES[rule], rule, legend(rule, t), map_overlay)
+    coarse = is_coarse(history, layers)
+    return [health_map(map_rows(history, rule, layers, marks, t, names), x_range, MAP_TITLES[rule], rule, legend(rule, t),
+                       map_overlay, coarse=coarse)
             for rule in ("overflow", "precision", "underflow")]
 
 
@@ -193,4 +206,4 @@ def layer_charts(history: RunHistory, fqn: str, x_range, ov: Overlay, t: Thresho
     ]
 
 
-__all__ = ["overlay", "training_charts", "health_maps", "layer_charts", "legend", "ROLE_COLOURS"]
+__all__ = ["overlay", "training_charts", "health_maps", "is_coarse", "layer_charts", "legend", "ROLE_COLOURS"]

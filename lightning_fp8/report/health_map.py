@@ -5,14 +5,16 @@ its stripe from the previous sample to its own step, on the same step axis as ev
 of a tensor (an overflow beyond the threshold, a non-finite amax) are bars at their step in their stripe, so a fault
 between two samples shows at its step, layer and role. A layer's state changes are drawn over its row: grey hatching
 while it runs in BF16, a violet outline after an escalation to a finer scaling (labelled with it), a diamond at each
-change. Runs of equal healthy levels are merged into one rectangle (its tooltip gives the range and the worst value),
-so a large model's page stays small; every cell at or beyond "near" keeps its own rectangle and tooltip.
+change. Consecutive cells of the same healthy level (ok, tolerated, information only) are one rectangle (its tooltip
+gives the steps and the worst value). For a large run (more than `COARSE_CELLS` cells in a map) consecutive healthy
+cells of any healthy level merge, the span coloured by its worst level, so a model with hundreds of layers stays a
+page of a few MB; every cell at or beyond "near" always keeps its own rectangle and tooltip.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from html import escape
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from lightning_fp8.report.health import ROLE_NAMES
 from lightning_fp8.report.history import ROLES, LayerState
@@ -27,7 +29,10 @@ LEVEL_COLOURS = {
     "nonfinite": "#111827",
     "info": "#bfdbfe",
 }
-MERGED = ("ok", "tolerated", "info", "nodata")
+#: healthy levels: consecutive cells of these merge into one rectangle coloured by the run's worst level
+MERGED = ("ok", "info", "tolerated")
+#: cells per map above which healthy runs of different levels merge (224 layers x 100 samples x 3 roles: 67200)
+COARSE_CELLS = 20_000
 STRIPE, ROW_GAP = 6, 4
 ROLE_SHORT = {"input": "in", "weight": "wt", "grad_output": "gr"}
 
@@ -37,7 +42,7 @@ class Cell:
     start: float  # the previous sample's step (the cell covers the steps after it)
     end: float  # the sampled step
     level: str
-    detail: str  # the sampled values, for the tooltip
+    detail: Callable[[], str]  # the sampled values, for the tooltip (computed only for the cells drawn)
     score: float = 0.0  # higher is worse: the merged tooltip names the worst cell
 
 
@@ -59,16 +64,17 @@ class MapRow:
     states: List[LayerState] = field(default_factory=list)
 
 
-def _merge(cells: List[Cell]) -> List[Tuple[Cell, int, Cell]]:
-    """Runs of consecutive cells with the same healthy level: (first cell, count, worst cell)."""
+def _merge(cells: List[Cell], coarse: bool) -> List[Tuple[Cell, int, Cell]]:
+    """Runs of consecutive healthy cells as (span, count, worst cell): of the same level, or with `coarse` of any
+    healthy level (ok / info / tolerated), the span taking the run's worst; every other cell stays alone."""
     out: List[Tuple[Cell, int, Cell]] = []
     for cell in cells:
-        if out:
+        previous = out[-1][0].level if out else None
+        if previous in MERGED and cell.level in MERGED and (coarse or cell.level == previous):
             first, n, worst = out[-1]
-            if cell.level == first.level and cell.level in MERGED:
-                merged = Cell(first.start, cell.end, first.level, first.detail, first.score)
-                out[-1] = (merged, n + 1, cell if cell.score > worst.score else worst)
-                continue
+            level = max(first.level, cell.level, key=MERGED.index)
+            out[-1] = (Cell(first.start, cell.end, level, first.detail, first.score), n + 1, cell if cell.score > worst.score else worst)
+            continue
         out.append((cell, 1, cell))
     return out
 
@@ -81,8 +87,9 @@ def health_map(
     legend: Sequence[Tuple[str, str]],
     overlay: Optional[Overlay] = None,
     width: int = 1320,
+    coarse: bool = False,
 ) -> str:
-    """legend: (level, meaning) in display order."""
+    """legend: (level, meaning) in display order. coarse: merge runs of any healthy levels (for large runs)."""
     label_w = min(260, max([6.2 * len(r.short) for r in rows] + [60]) + 30)
     right, top = 12, 26
     row_h = 3 * STRIPE + ROW_GAP
@@ -110,12 +117,12 @@ def health_map(
                 f'<text x="{label_w - 4}" y="{sy + STRIPE - 0.5}" text-anchor="end" style="{FONT};font-size:6.5px" '
                 f'fill="{AXIS}">{ROLE_SHORT[role]}</text>'
             )
-            for cell, n, worst in _merge(row.cells.get(role, [])):
+            for cell, n, worst in _merge(row.cells.get(role, []), coarse):
                 if cell.level == "nodata":
                     continue
                 a, b = fx(max(cell.start, x0)), fx(min(cell.end, x1))
                 where = f"sample at step {cell.end:g}" if n == 1 else f"{n} samples, steps {cell.start:g}-{cell.end:g}, worst at {worst.end:g}"
-                tip = f"{row.fqn} \u00b7 {ROLE_NAMES[role]} \u00b7 {where}: {cell.level}; {worst.detail}"
+                tip = f"{row.fqn} \u00b7 {ROLE_NAMES[role]} \u00b7 {where}: {cell.level}; {worst.detail()}"
                 parts.append(
                     f'<rect class="cell {cell.level}" data-layer="{escape(row.fqn)}" data-role="{role}" data-step="{cell.end:g}" '
                     f'x="{a:.2f}" y="{sy}" width="{max(b - a, 1.5):.2f}" height="{STRIPE - 0.6}" '
@@ -192,4 +199,4 @@ def _states(row: MapRow, rule: str, fx, x1: float, y: float) -> List[str]:
     return parts
 
 
-__all__ = ["health_map", "MapRow", "Cell", "Mark", "LEVEL_COLOURS"]
+__all__ = ["health_map", "MapRow", "Cell", "Mark", "LEVEL_COLOURS", "COARSE_CELLS"]

@@ -11,7 +11,7 @@ import datetime
 from html import escape
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lightning_fp8.report.figures import ROLE_COLOURS, health_maps, layer_charts, overlay, training_charts
+from lightning_fp8.report.figures import ROLE_COLOURS, health_maps, is_coarse, layer_charts, overlay, training_charts
 from lightning_fp8.report.health import ROLE_NAMES, AttentionItem, Thresholds, attention
 from lightning_fp8.report.history import RunHistory
 from lightning_fp8.report.names import short_names
@@ -181,7 +181,9 @@ def render_page(history: RunHistory, log: TrainingLog, title: Optional[str] = No
         "top to bottom); each sample colours the steps since the previous one. Colours are anchored to FP8LayerFallback's "
         f"thresholds as this run recorded them ({escape(t.source)}): {escape(t.describe('overflow'))}, "
         f"{escape(t.describe('precision'))}, {escape(t.describe('underflow'))}. \"Near\" is within a factor 2 of a threshold "
-        "(3 dB for the SQNR). Bars mark per-step events at their exact step, between samples too.</p>",
+        "(3 dB for the SQNR). Bars mark per-step events at their exact step, between samples too."
+        + (" Large run: consecutive healthy samples are drawn as one span coloured by its worst healthy level."
+           if is_coarse(history, history.fp8_layers) else "") + "</p>",
     ]
     layers = history.fp8_layers
     if layers and (history.stats or marks):
