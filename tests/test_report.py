@@ -238,3 +238,22 @@ def test_healthy_cells_merge_problem_cells_do_not(tmp_path, monkeypatch, coarse)
         assert overflow_map.count('class="cell tolerated"') == 25 * cells and overflow_map.count('class="cell ok"') == 25 * cells - 1
     assert overflow_map.count('class="cell beyond"') == 1
     assert f'class="cell beyond" data-layer="{layers[3]}" data-role="weight" data-step="250"' in overflow_map
+
+
+def test_a_version_1_history_still_renders(tmp_path):
+    """Histories written before thresholds and range ratios were recorded: the page renders, says the colours are not
+    anchored, judges nothing against a threshold, and still lists the engine's step and the fallback."""
+    synthetic_history(tmp_path / "v2.jsonl")
+    with open(tmp_path / "v2.jsonl") as f, open(tmp_path / "fp8_history.jsonl", "w") as out:
+        for line in f:
+            if not line.startswith("{not"):
+                record = json.loads(line)
+                record.pop("thresholds", None)
+                for entry in record.get("layers", {}).values() if isinstance(record.get("layers"), dict) else ():
+                    for role in ("input", "weight", "grad_output"):
+                        entry.get(role, {}).pop("range_ratio", None)
+                out.write(json.dumps(record) + "\n")
+    page = open(write_report(str(tmp_path))).read()
+    assert "not recorded (history written by an older version)" in page
+    assert not re.search(r'class="cell (near|beyond|far)"', page)
+    assert "data-rule='engine' data-steps='30'" in page and "data-rule='fallback'" in page
