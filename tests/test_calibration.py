@@ -174,3 +174,53 @@ def test_calibration_is_skipped_where_it_has_nothing_to_do():
     assert calib.calibrated_batches == 0
     with pytest.raises(ValueError, match="num_batches"):
         FP8Calibration(num_batches=0)
+
+
+class CountingModule(RegressionModule):
+    """A training step with the side effects users write: a torchmetrics metric updated per batch and logged per
+    epoch, a direct logger call, and a list guarded with is_calibrating()."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.aggregation import SumMetric
+
+        self.seen = SumMetric()
+        self.guarded = []
+        self.calibrating_seen = []
+
+    def training_step(self, batch, batch_idx):
+        from lightning_fp8.callbacks import is_calibrating
+
+        loss = super().training_step(batch, batch_idx)
+        self.seen.update(batch[0].shape[0])
+        self.log("seen", self.seen, on_step=False, on_epoch=True)
+        self.calibrating_seen.append(is_calibrating())
+        if not is_calibrating():
+            self.guarded.append(batch_idx)
+        if self.logger is not None:
+            self.logger.log_metrics({"direct": float(batch_idx)}, step=self.global_step)
+        return loss
+
+
+def test_calibration_leaves_user_metrics_and_logs_alone(tmp_path):
+    """4 calibration batches, then 3 training steps: the epoch's torchmetrics metric counts the 3 training batches
+    only (its state is restored after the pass), direct logger calls of the pass are dropped, and is_calibrating()
+    lets the training step keep its own side effects out of the pass. What the pass cannot undo (an unguarded list)
+    runs once per calibration batch, as documented."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    model = CountingModule()
+    calib = FP8Calibration(num_batches=4)
+    t = trainer(plugins=[FP8Precision()], max_steps=3, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+                callbacks=[calib])
+    t.fit(model, loader())
+    assert calib.calibrated_batches == 4
+    assert float(t.callback_metrics["seen"]) == 3 * 32  # 7 * 32 if the calibration batches were counted
+    assert model.calibrating_seen == [True] * 4 + [False] * 3 and model.guarded == [0, 1, 2]
+    assert len(model.losses) == 4 + 3  # the unguarded list: once per calibration batch, then once per step
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        direct = [row["direct"] for row in csv.DictReader(f) if row.get("direct")]
+    assert [float(v) for v in direct] == [0.0, 1.0, 2.0]  # the training steps' calls only

@@ -6,10 +6,11 @@ import csv
 import json
 import logging
 import math
+import os
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -21,7 +22,7 @@ from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize, scale_from_
 from lightning_fp8.numerics.stats import quantization_stats, sample_elements
 
 ROLES = ("input", "weight", "grad_output")
-STATS = ("scale", "amax", "overflow", "underflow", "sqnr_db")
+STATS = ("scale", "amax", "range_ratio", "overflow", "underflow", "sqnr_db")
 
 
 class Deep(RegressionModule):
@@ -146,6 +147,14 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
     stats = [r for r in records if r["type"] == "stats"]
     assert [r["step"] for r in stats] == [1, 2, 4, 6]  # optimizer steps completed (the engine's count)
     assert set(stats[0]["layers"]) == set(layers) and set(stats[0]["layers"]["net.2"]) == {"enabled", *ROLES}
+    # the training context of each sample: loss scale (no loss scaling by default: 1) and host time per step
+    assert all(r["loss_scale"] == 1.0 and r["step_time_s"] > 0 for r in stats)
+    assert [r["timed_steps"] for r in stats] == [1, 1, 2, 2]
+    # the thresholds the report anchors its colours to: FP8LayerFallback's defaults, said so (none in this run)
+    header = records[0]
+    assert header["version"] == 2 and header["thresholds"] == {
+        "source": "FP8LayerFallback defaults (no FP8LayerFallback in this run)",
+        "overflow_factor": 8.0, "min_sqnr_db": 10.0, "max_underflow": None}
     assert [row["precision"] for row in records[1]["layers"]] == ["bf16", "fp8", "fp8", "bf16"]
 
 
@@ -169,6 +178,7 @@ def test_monitor_statistics_are_those_of_the_cast(tmp_path):
     assert rec["overflow"] == 0.0
     assert rec["underflow"] == pytest.approx(expected.underflow_fraction().item())
     assert rec["sqnr_db"] == pytest.approx(expected.sqnr_db().item(), abs=1e-4)
+    assert rec["range_ratio"] == pytest.approx(rec["amax"] * rec["scale"] / E4M3.max, rel=1e-12)  # 1: current scaling
     roundtrip = dequantize(quantize(x, scale, E4M3), scale.reciprocal())
     assert rec["sqnr_db"] == pytest.approx(sqnr_db(x.float(), roundtrip), abs=1e-3)
 
@@ -246,6 +256,33 @@ def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, c
     assert maps["start"] == expected
     assert [(r.fqn, r.precision, r.reason) for r in precision_map(resumed)] == expected
     assert not resumed.net[6].fp8_enabled and not bool(resumed.net[6].fp8_meta.enabled)
+
+
+def test_fp8_metrics_can_be_watched_by_modelcheckpoint_and_earlystopping(tmp_path):
+    """Lightning's own ModelCheckpoint and EarlyStopping watch fp8/* metrics: a per-layer SQNR the monitor samples
+    (put into trainer.callback_metrics because a callback monitors it), and the fallback's layer count, which stops
+    the run at the end of the epoch in which net.6 falls back."""
+    torch.manual_seed(0)
+    watched = "fp8/net.4/input/sqnr_db"
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=watched, mode="max", save_top_k=1, every_n_train_steps=4)
+    stop = EarlyStopping(monitor="fp8/fallback_layers", mode="min", divergence_threshold=0.5, patience=100,
+                         check_on_train_epoch_end=True)
+    t = trainer(plugins=[FP8Precision()], max_epochs=10, logger=CSVLogger(tmp_path, name="run"), enable_checkpointing=True,
+                callbacks=[GrowWeight("net.6", start=10, steps=4, factor=10.0), FP8ScaleMonitor(log_every_n_steps=4),
+                           FP8LayerFallback(), ckpt, stop])
+    t.fit(Deep(), loader())  # 8 batches per epoch
+    records = history(tmp_path / "run" / "version_0")
+    fell = [r["step"] for r in records if r["type"] == "event" and r["kind"] == "fallback"]
+    assert fell and 8 < fell[0] <= 16
+    assert t.global_step == 16 and stop.stopped_epoch == 1  # the end of the epoch of the fallback, not max_epochs
+    assert float(t.callback_metrics["fp8/fallback_layers"]) == 1.0
+    sampled = {r["step"]: r["layers"]["net.4"]["input"]["sqnr_db"] for r in records if r["type"] == "stats"}
+    assert sorted(sampled) == [1, 4, 8, 10, 12, 16]  # the monitor's steps and the fallback's checks (every 10)
+    assert float(ckpt.best_model_score) == pytest.approx(max(sampled[s] for s in (4, 8, 12, 16)), rel=1e-5)  # 6 digits
+    assert os.path.exists(ckpt.best_model_path)
+    # the monitor's run-level summaries are there for any watcher; the unwatched per-layer names are not
+    assert float(t.callback_metrics["fp8/worst_sqnr_db"]) <= float(t.callback_metrics[watched])
+    assert "fp8/net.2/input/sqnr_db" not in t.callback_metrics
 
 
 def test_a_one_time_jump_is_absorbed_by_the_scales():
@@ -360,8 +397,14 @@ def test_keep_in_bf16_and_retry(tmp_path):
     assert model.net[2].fp8_disabled_reason == "kept in BF16 by FP8LayerFallback(keep_in_bf16=['net.2'])"
     assert [r.precision for r in precision_map(model)] == ["bf16", "bf16", "fp8", "fp8", "fp8", "bf16"]
     # the history file holds the events even without a monitor (it goes where the logger writes)
-    records = history(tmp_path / "run" / "version_0")
-    assert [r["kind"] for r in records if r["type"] == "event"] == ["keep_bf16", "fallback", "retry"]
+    events = [r for r in history(tmp_path / "run" / "version_0") if r["type"] == "event"]
+    assert [r["kind"] for r in events if r["kind"] != "overflow"] == ["keep_bf16", "fallback", "retry"]
+    # and every step in which a tensor went beyond overflow_factor, with its layer, role and ratio
+    over = [r for r in events if r["kind"] == "overflow"]
+    assert [r["step"] for r in over if "net.6" in r["layers"]] == [4, 5, fell]
+    assert over[0]["tensors"] == [{"layer": "net.6", "role": "weight", "ratio": pytest.approx(10.7, abs=0.1), "origin": "net.6"}]
+    inherited = [t for r in over for t in r["tensors"] if t["layer"] == "net.8"]  # net.6's output is net.8's input
+    assert inherited and all(t["origin"] == "net.6" for t in inherited if t["role"] == "input")
 
 
 def test_fallback_arguments_are_validated():

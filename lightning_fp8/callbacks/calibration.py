@@ -19,10 +19,21 @@ by the recipe's rule (`amax_compute_algo`, `margin`), and `initialized` is set. 
 with that scale and adds its own amax to the same history.
 
 Gradients (`grad_output`) have no forward pass to calibrate on: they start with current scaling on the first step,
-as without calibration. The pass leaves no trace besides the scaling state: the random number generators (data
-order, dropout), BatchNorm running statistics and the module's train/eval mode are restored, `self.log` calls of
-the training step are dropped, and the engine's overflow baseline is re-taken. A resumed run (ckpt_path given) or a
-model whose scales are all initialised already is not calibrated again.
+as without calibration.
+
+What runs, exactly: the module's `training_step` (or `forward_fn`), once per calibration batch, `num_batches` times
+in all, on every rank, before the first optimizer step; never on a resumed run, never when every scale is
+initialised already (a second `fit`), never under current scaling; no backward, no optimizer, no callback hooks. The
+batches come from a fresh iterator of the train dataloader, moved to the device by the strategy (the module's
+`on_before_batch_transfer` / `transfer_batch_to_device` / `on_after_batch_transfer` run, as for training).
+
+What is undone afterwards, so the run matches one without calibration except for the scales: the random number
+generators (data order, dropout), BatchNorm running statistics, train/eval modes, the state of every torchmetrics
+`Metric` in the module (a `self.train_acc(preds, y)` in the training step would otherwise count the calibration
+batches in the epoch's accuracy); `self.log` / `self.log_dict` and direct `logger.log_metrics` calls are dropped; the
+engine's overflow baseline is re-taken. What cannot be undone: other Python side effects of the training step
+(appending to a list, a counter, a print, a file). Guard them with `if not is_calibrating(): ...` (this module), or
+pass `forward_fn` to run something else than the training step.
 """
 from __future__ import annotations
 
@@ -35,14 +46,27 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torchmetrics import Metric
 
-from lightning_fp8.modules.autocast import fp8_autocast
+from lightning_fp8.modules.autocast import current_state, fp8_autocast
 from lightning_fp8.callbacks.hub import fp8_engine, hub_for
 from lightning_fp8.conversion.convert import fp8_layers
 
 log = logging.getLogger("lightning_fp8")
 
 ForwardFn = Callable[[Any, Any, int], Any]
+
+
+def is_calibrating() -> bool:
+    """True while a calibration forward runs (FP8Calibration's pass, or any `fp8_autocast(calibrating=True)`).
+
+    Use it in a `training_step` to keep side effects that FP8Calibration cannot undo out of the calibration pass:
+
+        loss = ...
+        if not is_calibrating():
+            self.losses.append(loss.item())
+    """
+    return bool(current_state().calibrating)
 
 
 class FP8Calibration(Callback):
@@ -120,7 +144,11 @@ class FP8Calibration(Callback):
         if engine is not None:
             engine.resync()  # overflow counters the pass may have moved are not the first step's
         self.calibrated_batches = n
-        log.info("lightning_fp8: FP8Calibration initialised the scales of %d FP8 layers on %d batches", len(layers), n)
+        log.info(
+            "lightning_fp8: FP8Calibration initialised the scales of %d FP8 layers on %d batches (%s ran %d times under "
+            "no_grad; see is_calibrating() to keep side effects out)",
+            len(layers), n, "forward_fn" if self.forward_fn is not None else "training_step", n,
+        )
         hub = hub_for(trainer)
         hub.write(trainer, {
             "type": "event", "source": "calibration", "step": trainer.global_step, "kind": "calibration",
@@ -150,10 +178,23 @@ def _train_iterable(trainer) -> Optional[Iterable]:
     return loaders
 
 
+def _metric_state(metric: Metric) -> Dict[str, Any]:
+    """A copy of a torchmetrics Metric's accumulated state (its `add_state` values and update count)."""
+    state: Dict[str, Any] = {}
+    for name, value in metric.metric_state.items():
+        state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else [v.detach().clone() for v in value]
+    for name in ("_update_count", "_computed", "_forward_cache"):  # what compute() and forward() read besides
+        if hasattr(metric, name):
+            state[name] = getattr(metric, name)
+    return state
+
+
 @contextlib.contextmanager
 def _preserved_state(pl_module: nn.Module, trainer):
-    """Restore RNG streams, BatchNorm statistics, train/eval modes and the module's log methods afterwards."""
+    """Restore RNG streams, BatchNorm statistics, torchmetrics states, train/eval modes and the module's log methods
+    afterwards; drop logger writes in between."""
     modes = {m: m.training for m in pl_module.modules()}
+    metrics = {m: _metric_state(m) for m in pl_module.modules() if isinstance(m, Metric)}
     norms: Dict[nn.Module, List[torch.Tensor]] = {}
     for m in pl_module.modules():
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
@@ -164,6 +205,9 @@ def _preserved_state(pl_module: nn.Module, trainer):
     previous = {name: vars(pl_module).get(name) for name in had}
     pl_module.log = dropped
     pl_module.log_dict = dropped
+    loggers = {logger: vars(logger).get("log_metrics") for logger in getattr(trainer, "loggers", None) or []}
+    for logger in loggers:
+        logger.log_metrics = dropped  # an instance attribute over the class method, removed afterwards
     py_state = random.getstate()
     np_state = _numpy_state()
     try:
@@ -180,6 +224,14 @@ def _preserved_state(pl_module: nn.Module, trainer):
                 setattr(pl_module, name, previous[name])
             else:
                 delattr(pl_module, name)
+        for logger, own in loggers.items():
+            if own is not None:
+                logger.log_metrics = own
+            else:
+                del logger.log_metrics
+        for metric, state in metrics.items():
+            for name, value in state.items():
+                setattr(metric, name, value)
         for m, training in modes.items():
             m.training = training
         for m, saved in norms.items():
@@ -196,4 +248,4 @@ def _numpy_state():
     return numpy.random.get_state()
 
 
-__all__ = ["FP8Calibration"]
+__all__ = ["FP8Calibration", "is_calibrating"]

@@ -25,7 +25,10 @@ in the same step, so every anomaly is attributed to the layer where it starts, a
 origin count against it.
 
 Every switch is logged (python logging, a `fp8/<fqn>/fp8_enabled` logger metric and `fp8/fallback_layers`, an
-event in the history file) and kept in checkpoints (this callback's state; the layer's `fp8_meta.enabled` buffer
+event in the history file) and kept in checkpoints; `fp8/fallback_layers` is also in `trainer.callback_metrics` from
+the first step on (EarlyStopping / ModelCheckpoint can watch it). Every step in which a tensor went beyond
+`overflow_factor` is an "overflow" event in the history file (step, layer, role, ratio), whether or not it moves a
+layer, so the report shows faults between the monitor's samples (this callback's state; the layer's `fp8_meta.enabled` buffer
 travels with the precision plugin's state), so a resumed run has the same precision map with the same reasons.
 `retry_after_steps` optionally tries a fallen-back layer in FP8 again later (with fresh scaling state).
 `keep_in_bf16` keeps layers matching glob patterns in BF16 from the start.
@@ -46,7 +49,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fp8.callbacks.fallback_rules import FallbackRules, Key, NonFiniteOriginProbe
-from lightning_fp8.callbacks.hub import StatsConsumer, fp8_engine, hub_for, layer_counters, precision_rows
+from lightning_fp8.callbacks.hub import (
+    StatsConsumer,
+    fp8_engine,
+    hub_for,
+    layer_counters,
+    precision_rows,
+    publish_metrics,
+    watched_metrics,
+)
 from lightning_fp8.callbacks.sampling import StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine.distributed import all_reduce_max_
@@ -141,6 +152,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._last_result = None
         self._counters: Optional[Dict] = None
         self._manual_logged: Set[str] = set()
+        self._published: Optional[tuple] = None  # (epoch, fallback count) last put into callback_metrics
 
     # -- statistics cadence ------------------------------------------------------------------------------------
     def wants_stats(self, step: int) -> bool:
@@ -165,6 +177,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._rollbacks_seen = engine.rollbacks if engine is not None else 0
         self._last_result = engine.last_result if engine is not None else None
         self._counters = None
+        self._published = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         hub = hub_for(trainer)
@@ -289,6 +302,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         for fqn, roles, reason in self._rules.overflow_decisions(step, overflow, enabled, order):
             self._fall_back(trainer, pl_module, fqn, "overflow", roles, reason)
             enabled.discard(fqn)
+        self._record_overflows(trainer, step, overflow)
         if record is not None:  # the precision rule runs on steps with statistics only
             bad = {
                 key: bad_stats_values.get(key, f"{key[1]} out of bounds on another rank")
@@ -305,6 +319,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._diagnose_next = values[-1] > 0
 
         self._retry_due(trainer, pl_module, step, layers)
+        self._publish_fallback_count(pl_module)
 
     # -- non-finite diagnosis ----------------------------------------------------------------------------------
     def _nonfinite_reported(self, engine, layers: Dict[str, FP8Linear]) -> bool:
@@ -357,18 +372,47 @@ class FP8LayerFallback(StatsConsumer, Callback):
             log.warning("lightning_fp8: layer %s back in FP8 at step %d (%s)", fqn, step, reason)
             self._record_event(trainer, pl_module, "retry", [fqn], reason)
 
+    # -- events and metrics -----------------------------------------------------------------------------------
+    def _fallback_count(self) -> int:
+        return sum(1 for info in self.fallbacks.values() if not info.get("manual"))
+
+    def _publish_fallback_count(self, pl_module) -> None:
+        """`fp8/fallback_layers` into trainer.callback_metrics on the first step of each epoch and on every change
+        (Lightning keeps the value in between), so EarlyStopping / ModelCheckpoint find it before any fallback."""
+        trainer = pl_module.trainer
+        now = (trainer.current_epoch, self._fallback_count())
+        if now != self._published:
+            self._published = now
+            pl_module.log("fp8/fallback_layers", torch.tensor(float(now[1]), dtype=torch.float64), on_step=True,
+                          on_epoch=False, prog_bar=False, logger=False, sync_dist=False, batch_size=1)
+
+    def _record_overflows(self, trainer, step: int, overflow: Dict[Key, float]) -> None:
+        """One history event per step in which tensors went beyond overflow_factor (whether or not a layer moves),
+        each with the layer the rules attribute it to ("origin")."""
+        if not overflow:
+            return
+        tensors = [
+            {"layer": fqn, "role": role, "ratio": float(f"{ratio:.4g}"), "origin": self._rules.origins.origin("overflow", (fqn, role))}
+            for (fqn, role), ratio in overflow.items()
+        ]
+        names = ", ".join(f"{t['layer']}.{t['role']} {t['ratio']:.3g}x" for t in tensors)
+        hub_for(trainer).write(trainer, {
+            "type": "event", "source": "fallback", "kind": "overflow", "step": step,
+            "reason": f"amax beyond {self._rules.overflow_factor:g}x the range of the cast's scale: {names}",
+            "layers": sorted({t["layer"] for t in tensors}), "tensors": tensors, "threshold": self._rules.overflow_factor,
+        })
+
     def _record_event(self, trainer, pl_module, kind: str, fqns: List[str], reason: str, log_metric: bool = True, **extra) -> None:
         event = {"step": trainer.global_step, "kind": kind, "reason": reason, "layers": list(fqns), **extra}
         self.events.append(event)
         hub = hub_for(trainer)
         hub.write(trainer, {"type": "event", "source": "fallback", **event})
         hub.write(trainer, {"type": "precision_map", "step": trainer.global_step, "layers": precision_rows(pl_module)})
-        if log_metric and trainer.loggers:
+        if log_metric:
             metrics = {f"fp8/{fqn}/fp8_enabled": float(fp8_layers(pl_module)[fqn].fp8_enabled) for fqn in fqns}
-            metrics["fp8/fallback_layers"] = float(sum(1 for info in self.fallbacks.values() if not info.get("manual")))
+            metrics["fp8/fallback_layers"] = float(self._fallback_count())
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+            publish_metrics(trainer, pl_module, metrics, step, callback_keys=watched_metrics(trainer) - {"fp8/fallback_layers"})
 
     # -- checkpoint --------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

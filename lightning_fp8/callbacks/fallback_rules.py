@@ -57,6 +57,10 @@ class AnomalyOrigins:
                 credited.setdefault(fqn, set()).add(role)
         return credited
 
+    def origin(self, kind: str, key: Key) -> Optional[str]:
+        """The layer an ongoing anomaly of (layer, role) is attributed to (None: no ongoing anomaly)."""
+        return self._episodes[kind].get(key)
+
     def forget(self, fqn: str) -> None:
         """Drop every episode of, or attributed to, a layer (it starts afresh, e.g. when retried in FP8)."""
         for kind, episodes in self._episodes.items():

@@ -1,7 +1,9 @@
 """The run's FP8 history file (`fp8_history.jsonl`): append-only JSON lines the report reads.
 
-One object per line, "type" in run | precision_map | stats | event. Non-finite floats are written as the strings
-"nan" / "inf" / "-inf" so the file stays strict JSON.
+One object per line, "type" in run | precision_map | stats | event (the fields: lightning_fp8/report/history.py).
+Non-finite floats are written as the strings "nan" / "inf" / "-inf" so the file stays strict JSON. Version 2 added
+the thresholds to the run header, range_ratio / loss_scale / step_time_s to the stats lines, and the per-step
+"nonfinite" and "overflow" events with their tensors.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 from typing import Any, Dict
 
 HISTORY_FILENAME = "fp8_history.jsonl"
-HISTORY_VERSION = 1
+HISTORY_VERSION = 2
 
 
 def json_safe(value: Any) -> Any:

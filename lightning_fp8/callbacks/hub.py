@@ -8,13 +8,14 @@ FP8LayerFallback:
   every callback reads the same `StatsRecord`;
 - it records the layers' forward execution order on the first step (FP8LayerFallback attributes an anomaly to the
   layer where it starts);
-- it owns the history file (lightning_fp8/callbacks/history_file.py) the report reads.
+- it owns the history file (lightning_fp8/callbacks/history_file.py) the report reads;
+- `publish_metrics` is how the callbacks' metrics reach the loggers and `trainer.callback_metrics`.
 """
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -194,8 +195,39 @@ def layer_counters(layers: Dict[str, FP8Linear]) -> Dict[Tuple[str, str], Tuple[
     return {key: (int(c), int(o)) for key, (c, o) in zip(keys, values)}
 
 
+def watched_metrics(trainer) -> Set[str]:
+    """The fp8/* metric names something in the run watches through `trainer.callback_metrics`: the `monitor` of every
+    callback that has one (ModelCheckpoint, EarlyStopping, ...) and of every LR scheduler config (ReduceLROnPlateau)."""
+    monitors = [getattr(cb, "monitor", None) for cb in getattr(trainer, "callbacks", None) or []]
+    monitors += [getattr(config, "monitor", None) for config in getattr(trainer, "lr_scheduler_configs", None) or []]
+    return {m for m in monitors if isinstance(m, str) and m.startswith("fp8/")}
+
+
+def publish_metrics(trainer, pl_module, metrics: Dict[str, float], step: int, callback_keys: Iterable[str] = ()) -> None:
+    """Write `metrics` to every logger at `step` and put `callback_keys` (those of them present) into
+    `trainer.callback_metrics`. Call it from a hook that may log per step (on_train_batch_end).
+
+    Two paths, on purpose. The loggers get every metric directly (`logger.log_metrics`, what LearningRateMonitor
+    does), at the step it was measured: Lightning's own path writes a `self.log` value only on its logging steps
+    (`Trainer(log_every_n_steps)`) and then repeats it on every later row of the epoch, so a sampled statistic would
+    land on the wrong row or look freshly measured when it is not. The metrics ModelCheckpoint / EarlyStopping /
+    ReduceLROnPlateau watch go through `pl_module.log_dict(..., logger=False)`, Lightning's logging path, which is
+    how they reach `trainer.callback_metrics`. Only the watched ones: `self.log` costs ~0.1-0.3 ms per name, and
+    a model with hundreds of FP8 layers has thousands of names. Values are CPU tensors (no device copy, no sync)."""
+    keys = [key for key in callback_keys if key in metrics]
+    if keys:
+        pl_module.log_dict(
+            {key: torch.tensor(float(metrics[key]), dtype=torch.float64) for key in keys},
+            on_step=True, on_epoch=False, prog_bar=False, logger=False, sync_dist=False, batch_size=1,
+        )
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
 __all__ = [
     "StatsHub",
+    "watched_metrics",
+    "publish_metrics",
     "StatsConsumer",
     "hub_for",
     "fp8_engine",

@@ -6,27 +6,48 @@ role (input, weight, grad_output), the scale the cast used, the amax, the overfl
 and the quantization SQNR (definitions: `lightning_fp8.numerics.stats`), and logs them through `trainer.loggers`
 (CSV, TensorBoard, W&B, ...) as
 
-    fp8/<layer fqn>/<role>/scale | amax | overflow | underflow | sqnr_db
+    fp8/<layer fqn>/<role>/scale | amax | range_ratio | overflow | underflow | sqnr_db
     fp8/<layer fqn>/<role>/clipped_casts | nonfinite_casts   (casts that clipped / had a non-finite amax since
                                                               the previous log; from the layer's counters)
     fp8/<layer fqn>/fp8_enabled                             (1 in FP8, 0 in BF16)
+    fp8/worst_range_ratio | worst_overflow | worst_underflow | worst_sqnr_db   (the worst layer and role)
 
-It appends the same numbers, the precision map and the engine's skip / rollback events to
-`<trainer.log_dir>/fp8_history.jsonl` (see `lightning_fp8.report` for the format and the HTML dashboard).
+The four `fp8/worst_*` summaries, and any fp8/* name a ModelCheckpoint / EarlyStopping / ReduceLROnPlateau of the run
+monitors, also go to `trainer.callback_metrics` through Lightning's `pl_module.log_dict` (see `publish_metrics` in
+lightning_fp8/callbacks/hub.py for why the loggers are written directly).
+
+It appends the same numbers, the precision map and every engine event to `<trainer.log_dir>/fp8_history.jsonl` (see
+`lightning_fp8.report` for the format and the HTML dashboard): skips and rollbacks, and after *every* optimizer step
+the tensors whose amax was non-finite (`engine.last_result.overflow_layers`, already on the host), so a fault between
+two samples is recorded at its step, layer and role. Each stats line also carries the loss scale and the mean host
+wall time per optimizer step since the previous line.
 
 Statistics are sampled only on logging steps: the observers that compute them are installed on the layers for those
-steps and removed afterwards (see `lightning_fp8.callbacks.hub`), so the other steps cost nothing.
+steps and removed afterwards (see `lightning_fp8.callbacks.hub`). Every other step costs two clock reads and a look at
+the engine's last result: O(1) host work, no device synchronisation.
 """
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
-from typing import Any, Dict, Optional
+import math
+import time
+from typing import Any, Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_fp8.callbacks.fallback import FP8LayerFallback
 from lightning_fp8.callbacks.history_file import HISTORY_VERSION
-from lightning_fp8.callbacks.hub import StatsConsumer, fp8_engine, hub_for, layer_counters, precision_rows
+from lightning_fp8.callbacks.hub import (
+    StatsConsumer,
+    fp8_engine,
+    hub_for,
+    layer_counters,
+    precision_rows,
+    publish_metrics,
+    watched_metrics,
+)
 from lightning_fp8.callbacks.sampling import STATS, StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
@@ -35,8 +56,38 @@ from lightning_fp8.recipe import ROLES
 log = logging.getLogger("lightning_fp8")
 
 
+#: the thresholds of FP8LayerFallback's rules the report anchors its colours to (recorded in the run header)
+THRESHOLDS = ("overflow_factor", "min_sqnr_db", "max_underflow")
+
+
 def _compact(value: float) -> float:
-    return float(f"{value:.6g}") if isinstance(value, float) else value
+    return float(f"{value:.6g}") if isinstance(value, float) and math.isfinite(value) else value
+
+
+def run_thresholds(trainer) -> Dict[str, Any]:
+    """FP8LayerFallback's thresholds in this run (its defaults, said so, when the run has no FP8LayerFallback)."""
+    fallback = next((cb for cb in trainer.callbacks if isinstance(cb, FP8LayerFallback)), None)
+    if fallback is not None:
+        return {"source": "FP8LayerFallback", **{name: getattr(fallback, name) for name in THRESHOLDS}}
+    defaults = inspect.signature(FP8LayerFallback.__init__).parameters
+    return {
+        "source": "FP8LayerFallback defaults (no FP8LayerFallback in this run)",
+        **{name: defaults[name].default for name in THRESHOLDS},
+    }
+
+
+def worst_metrics(record: StatsRecord) -> Dict[str, float]:
+    """fp8/worst_*: the largest range ratio, overflow and underflow and the lowest SQNR over every sampled layer and
+    role (NaN values, e.g. the SQNR of an all-zero tensor, are left out)."""
+    columns: Dict[str, List[float]] = {"range_ratio": [], "overflow": [], "underflow": [], "sqnr_db": []}
+    for roles in record.layers.values():
+        for stats in roles.values():
+            for stat, values in columns.items():
+                value = float(stats[stat])
+                if not math.isnan(value):
+                    values.append(value)
+    out = {f"fp8/worst_{stat}": (min if stat == "sqnr_db" else max)(values) for stat, values in columns.items() if values}
+    return out
 
 
 class FP8ScaleMonitor(StatsConsumer, Callback):
@@ -70,6 +121,10 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._events_seen = 0
         self._restored_events_seen: Optional[int] = None
         self._counters: Optional[Dict] = None
+        self._last_result: Any = None
+        self._step_t0: Optional[float] = None
+        self._timed_step = 0
+        self._time_sum, self._time_steps = 0.0, 0
         #: the last StatsRecord (handy in tests and notebooks)
         self.last_record: Optional[StatsRecord] = None
 
@@ -106,6 +161,8 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
                 "log_every_n_steps": self._interval,
                 "sample_size": self.sample_size,
                 "recipe": engine.recipe.to_dict() if engine is not None else None,
+                "thresholds": run_thresholds(trainer),
+                "world_size": int(getattr(trainer, "world_size", 1) or 1),
             })
             hub.write(trainer, {"type": "precision_map", "step": trainer.global_step, "layers": precision_rows(pl_module)})
         # engine events already in a restored checkpoint: written again into a fresh file, skipped when appending
@@ -114,13 +171,24 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._flush_engine_events(trainer, from_checkpoint=True)
         # baseline after any calibration pass (which also counts casts)
         self._counters = layer_counters(fp8_layers(pl_module))
+        self._last_result = engine.last_result if engine is not None else None
+        self._step_t0, self._timed_step = None, trainer.global_step
+        self._time_sum, self._time_steps = 0.0, 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not getattr(self, "_started", False):
             self._start(trainer, pl_module)
+        if self._step_t0 is None:  # the first micro-batch of an optimizer step
+            self._step_t0 = time.perf_counter()
         hub_for(trainer).begin_batch(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step > self._timed_step:  # an optimizer step completed with this batch
+            if self._step_t0 is not None:
+                self._time_sum += time.perf_counter() - self._step_t0
+                self._time_steps += 1
+            self._step_t0, self._timed_step = None, trainer.global_step
+            self._record_nonfinite(trainer)
         hub = hub_for(trainer)
         record = hub.end_batch(trainer)
         self._flush_engine_events(trainer)
@@ -154,9 +222,32 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             record = {"type": "event", "source": "engine", **event}
             if from_checkpoint:
                 record["from_checkpoint"] = True
+            else:
+                record["loss_scale"] = float(engine.loss_scale)  # after the step: the backed-off scale of a skip
             if getattr(self, "_writes", False):
                 hub_for(trainer).write(trainer, record)
         self._events_seen = len(events)
+
+    def _record_nonfinite(self, trainer) -> None:
+        """After every optimizer step: the tensors whose amax the engine found non-finite, as one event with the
+        layer and role of each (the engine computed the list on the host already: no extra device work)."""
+        engine = fp8_engine(trainer)
+        result = getattr(engine, "last_result", None)
+        if result is None or result is self._last_result:
+            return
+        self._last_result = result
+        if not result.overflow_layers or not getattr(self, "_writes", False):
+            return
+        tensors = []
+        for name in result.overflow_layers:
+            fqn, _, role = name.rpartition(".")
+            tensors.append({"layer": fqn, "role": role} if role in ROLES else {"layer": name, "role": None})
+        hub_for(trainer).write(trainer, {
+            "type": "event", "source": "engine", "kind": "nonfinite", "step": engine.step_count,
+            "reason": "non-finite FP8 amax (inf/NaN) in " + ", ".join(result.overflow_layers),
+            "layers": sorted({t["layer"] for t in tensors}), "tensors": tensors, "skipped": not result.stepped,
+            "loss_scale": float(engine.loss_scale),
+        })
 
     def metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None) -> Dict[str, float]:
         """The logger metrics of one record (names: see the module docstring)."""
@@ -187,8 +278,11 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
     def _publish(self, trainer, pl_module, record: StatsRecord) -> None:
         counters = self._counter_deltas(pl_module) if self.log_counts else None
         metrics = self.metrics(record, pl_module, counters)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=record.logger_step)
+        summary = worst_metrics(record)
+        metrics.update(summary)
+        publish_metrics(trainer, pl_module, metrics, record.logger_step, callback_keys=[*summary, *watched_metrics(trainer)])
+        step_time = self._time_sum / self._time_steps if self._time_steps else None
+        timed_steps, self._time_sum, self._time_steps = self._time_steps, 0.0, 0
         if not getattr(self, "_writes", False):
             return
         layers: Dict[str, Any] = {}
@@ -202,9 +296,12 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
                 if row:
                     entry[role] = row
             layers[fqn] = entry
-        hub_for(trainer).write(
-            trainer, {"type": "stats", "step": record.step, "logger_step": record.logger_step, "layers": layers}
-        )
+        engine = fp8_engine(trainer)
+        hub_for(trainer).write(trainer, {
+            "type": "stats", "step": record.step, "logger_step": record.logger_step, "layers": layers,
+            "loss_scale": float(engine.loss_scale) if engine is not None else None,
+            "step_time_s": _compact(step_time) if step_time is not None else None, "timed_steps": timed_steps,
+        })
 
     # -- checkpoint --------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -24,8 +24,10 @@ from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE, STAT_FIELDS, Quant
 from lightning_fp8.numerics.stats import sqnr_db as _sqnr_db
 from lightning_fp8.numerics.stats import underflow_fraction
 
-#: statistics of one role in a StatsRecord (the metric names are fp8/<fqn>/<role>/<stat>)
-STATS = ("scale", "amax", "overflow", "underflow", "sqnr_db")
+#: statistics of one role in a StatsRecord (the metric names are fp8/<fqn>/<role>/<stat>). range_ratio is
+#: amax x scale / the format's max: 1 fills the FP8 range exactly, above 1 values were clipped (FP8LayerFallback's
+#: overflow rule compares the same quantity with its overflow_factor).
+STATS = ("scale", "amax", "range_ratio", "overflow", "underflow", "sqnr_db")
 _SUMS = STAT_FIELDS[1:]  # ("numel", "overflow", "sampled", "nonzero", "underflow", "signal", "noise")
 
 
@@ -36,9 +38,9 @@ class StatsRecord:
     step: optimizer steps completed when the record was taken (`trainer.global_step` after the step: the same
         count the engine's events use). logger_step: the step value Lightning's own `self.log` uses for that
         batch (so the fp8/* metrics land in the same rows as the user's).
-    layers: {fqn: {role: {"scale", "amax", "overflow", "underflow", "sqnr_db", "calls"}}}; overflow and
-        underflow are fractions (see lightning_fp8.numerics.stats), scale is the quantization scale the step's last
-        cast of that role used.
+    layers: {fqn: {role: {"scale", "amax", "range_ratio", "overflow", "underflow", "sqnr_db", "calls"}}}; overflow
+        and underflow are fractions (see lightning_fp8.numerics.stats), scale is the quantization scale the step's
+        last cast of that role used, range_ratio = amax * scale / the max of the role's FP8 format.
     """
 
     step: int
@@ -82,6 +84,7 @@ class LayerStatsSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self._aggregates: Dict[Tuple[str, str], QuantStatsMetric] = {}
         self._calls: Dict[Tuple[str, str], int] = {}
+        self._format_max: Dict[Tuple[str, str], float] = {}
         self._installed: Dict[str, Tuple[FP8Linear, Optional[Callable]]] = {}
 
     def start(self, layers: Dict[str, FP8Linear]) -> None:
@@ -121,6 +124,7 @@ class LayerStatsSampler:
             metric = self._aggregates[key] = QuantStatsMetric().to(x.device)
         metric.update(stats, scale)
         self._calls[key] = self._calls.get(key, 0) + 1
+        self._format_max[key] = fmt.max
 
     def finish(self, step: int, logger_step: int) -> StatsRecord:
         """Stop observing and return the step's record (one host copy per device); the aggregators are reset."""
@@ -134,6 +138,7 @@ class LayerStatsSampler:
                 record.layers.setdefault(fqn, {})[role] = {
                     "scale": scale,
                     "amax": amax,
+                    "range_ratio": amax * scale / self._format_max[(fqn, role)],
                     "overflow": overflow_fraction(overflow, numel),
                     "underflow": underflow_fraction(underflow, nonzero),
                     "sqnr_db": _sqnr_db(signal, noise),
