@@ -4,7 +4,7 @@ Two kinds of rules, each returning the reason a layer stays in BF16 (None: conve
 
 - `structural_skip_reason`: the layer cannot become an FP8 layer as it is used, whatever the filter says
   (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16; an uninitialized
-  LazyLinear; a forward replaced on the instance; an unsafe parametrization).
+  LazyLinear; a forward replaced on the instance; a parametrization that changes the weight's shape).
 - `default_skip_reason`: the default filter on top of those: `FP8Recipe.skip_patterns`, LoRA adapters, and the
   first / last rule (decided in lightning_fp8/conversion/order.py, over layers that would otherwise convert).
 
@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from lightning_fp8.conversion import kinds
-from lightning_fp8.conversion.transplant import unsafe_parametrization
+from lightning_fp8.conversion.transplant import parametrization_mismatch
 from lightning_fp8.recipe import FP8Recipe
 
 #: module_filter(module, fqn) -> bool: True converts the layer
@@ -35,14 +35,16 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
     """Reasons no filter can override: the layer cannot run an FP8 GEMM as it is used (None: it can)."""
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
-    if isinstance(getattr(module, "weight", None), nn.parameter.UninitializedParameter):
+    if isinstance(module._parameters.get("weight"), nn.parameter.UninitializedParameter):  # (no parametrized read)
         return "LazyLinear not initialized yet (run one forward before conversion)"
     if "forward" in module.__dict__:
         return ("its forward is replaced on the instance (a wrapper or a library hook, e.g. Accelerate's device-map "
                 "hooks): an FP8 layer would bypass that replacement")
-    unsafe = unsafe_parametrization(module)
-    if unsafe is not None:
-        return unsafe
+    kind = kinds.linear_kind(module)
+    if kind is not None:
+        mismatch = parametrization_mismatch(module, kind.tensor_shapes(module))
+        if mismatch is not None:
+            return mismatch
     in_features, out_features = kinds.features(module)
     if in_features % 16 or out_features % 16:
         return (

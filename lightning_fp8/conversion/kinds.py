@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -33,13 +33,19 @@ class LinearKind:
 
     source: the class's qualified name ("module.Class"); fp8_class: "module:Class" of its FP8Layer;
     features(module) -> (in_features, out_features); build(fp8_class, module, recipe) -> the FP8 layer, reusing the
-    module's Parameters."""
+    module's Parameters; weight_transposed: the weight is stored (in, out) instead of (out, in)."""
 
     label: str
     source: str
     fp8_class: str
     features: Callable[[nn.Module], Tuple[int, int]]
     build: Callable[[type, nn.Module, FP8Recipe], FP8Layer]
+    weight_transposed: bool = False
+
+    def tensor_shapes(self, module: nn.Module) -> Dict[str, Tuple[int, ...]]:
+        """The shapes the FP8 layer relies on: its weight's and its bias's."""
+        in_f, out_f = self.features(module)
+        return {"weight": (in_f, out_f) if self.weight_transposed else (out_f, in_f), "bias": (out_f,)}
 
     def source_class(self) -> Optional[type]:
         """The class, if its module is imported (else no instance can exist)."""
@@ -73,6 +79,7 @@ HF_CONV1D = LinearKind(
     fp8_class="lightning_fp8.modules.hf_conv1d:FP8Conv1D",
     features=lambda m: (m.nx, m.nf),
     build=lambda cls, m, recipe: cls.from_conv1d(m, recipe),
+    weight_transposed=True,
 )
 
 _KINDS: List[LinearKind] = [LINEAR, HF_CONV1D]

@@ -18,7 +18,7 @@ behind by `revert`.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, FrozenSet, Optional, Set
+from typing import Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -47,11 +47,14 @@ def replace_with(old: nn.Module, build: Callable[[nn.Module], nn.Module], exclud
                  own_hooks: Optional[Dict[str, Set[int]]] = None) -> nn.Module:
     """`build(old)` (a module around old's Parameters), then everything old carried moved onto it.
 
-    Under torch parametrizations `build` sees a stand-in of the unparametrized class whose parametrized tensors are
-    placeholders; the result is then parametrized with old's own parametrization modules. `exclude`: names on `old`
-    not to carry; `own_hooks`: hook ids on `old` not to carry."""
-    if parametrize.is_parametrized(old):
-        new = _build_under_parametrizations(old, build)
+    When old's weight or bias is not a Parameter of its own (torch parametrizations; the hook-based
+    `torch.nn.utils.weight_norm` / `spectral_norm`, which store the computed weight as a plain attribute), `build`
+    sees a stand-in of old's unparametrized class with placeholder Parameters, and the result gets old's
+    parametrizations / attributes back. `exclude`: names on `old` not to carry; `own_hooks`: hook ids on `old` not
+    to carry."""
+    computed = [n for n in ("weight", "bias") if isinstance(old.__dict__.get(n), torch.Tensor)]
+    if parametrize.is_parametrized(old) or computed:
+        new = _build_with_stand_in(old, build, computed)
     else:
         new = build(old)
     _carry(old, new, exclude, own_hooks or {})
@@ -82,14 +85,18 @@ def to_unconverted(layer: nn.Module) -> nn.Module:
     return replace_with(layer, lambda m: m.to_unconverted(), exclude=internals, own_hooks=own_hooks)
 
 
-def unsafe_parametrization(module: nn.Module) -> Optional[str]:
-    """Why an FP8 layer cannot sit under this module's parametrizations (None: it can)."""
+def parametrization_mismatch(module: nn.Module, shapes: Dict[str, Tuple[int, ...]]) -> Optional[str]:
+    """Why an FP8 layer cannot sit under this module's parametrizations (None: it can). Only a parametrization
+    registered with unsafe=True may compute a tensor of another shape than the one it replaced (weight_norm registers
+    that way and keeps the shape); it is evaluated once, in eval mode, to check."""
     if not parametrize.is_parametrized(module):
         return None
-    unsafe = [name for name, plist in module.parametrizations.items() if plist.unsafe]
-    if unsafe:
-        return (f"parametrization of {', '.join(unsafe)} registered with unsafe=True (it may change the tensor's "
-                "shape), so the FP8 layer could not rely on it")
+    for name, plist in module.parametrizations.items():
+        if plist.unsafe and name in shapes:
+            shape = tuple(_evaluated(plist).shape)
+            if shape != tuple(shapes[name]):
+                return (f"the parametrization of {name} computes shape {shape}, not the {tuple(shapes[name])} the "
+                        "layer's GEMM needs (registered with unsafe=True)")
     return None
 
 
@@ -98,43 +105,47 @@ def _names(module: nn.Module) -> Set[str]:
     return set(module.__dict__) | set(module._parameters) | set(module._buffers) | set(module._modules)
 
 
-def _build_under_parametrizations(old: nn.Module, build: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """`build` on a stand-in of old's unparametrized class, then old's parametrizations moved onto the result."""
-    plists = old.parametrizations
-    names = list(plists.keys())
-    placeholders = {name: _placeholder(plists[name]) for name in names}
+def _build_with_stand_in(old: nn.Module, build: Callable[[nn.Module], nn.Module], computed) -> nn.Module:
+    """`build` on a stand-in of old's unparametrized class whose computed tensors are placeholder Parameters; then
+    old's parametrizations moved onto the result (its computed plain attributes are carried by `_carry`)."""
+    plists = old.parametrizations if parametrize.is_parametrized(old) else {}
+    placeholders = {name: _placeholder(plists[name]) for name in plists}
+    placeholders.update({n: nn.Parameter(torch.empty_like(old.__dict__[n]), requires_grad=False) for n in computed})
     base = parametrize.type_before_parametrizations(old)
     stand_in = base.__new__(base)
-    state = dict(old.__dict__)
+    state = {k: v for k, v in old.__dict__.items() if k not in computed}
     state["_parameters"] = {**old._parameters, **placeholders}
     state["_modules"] = {k: v for k, v in old._modules.items() if k != "parametrizations"}
     stand_in.__dict__.update(state)
     new = build(stand_in)
-    for name in names:
-        if new._parameters.get(name) is placeholders[name]:
+    for name, placeholder in placeholders.items():
+        if new._parameters.get(name) is placeholder:
             del new._parameters[name]
-        elif name in new.__dict__:
-            del new.__dict__[name]
-    parametrize._inject_new_class(new)
-    new.parametrizations = plists
-    for name in names:
-        parametrize._inject_property(new, name)
+    if plists:
+        parametrize._inject_new_class(new)
+        new.parametrizations = plists
+        for name in plists:
+            parametrize._inject_property(new, name)
     return new
 
 
-@torch.no_grad()
 def _placeholder(plist: nn.Module) -> nn.Parameter:
-    """A Parameter shaped like the tensor the parametrization computes, on its device. Evaluated with the
-    parametrization modules in eval mode, so stateful ones (spectral_norm's power iteration) do not advance."""
+    """A Parameter shaped like the tensor the parametrization computes, on its device."""
+    return nn.Parameter(torch.empty_like(_evaluated(plist)), requires_grad=False)
+
+
+@torch.no_grad()
+def _evaluated(plist: nn.Module) -> torch.Tensor:
+    """The parametrized tensor, computed with the parametrization modules in eval mode, so stateful ones
+    (spectral_norm's power iteration) do not advance."""
     modes = [(m, m.training) for m in plist.modules()]
     try:
         for m, _ in modes:
             m.training = False
-        value = plist()
+        return plist()
     finally:
         for m, mode in modes:
             m.training = mode
-    return nn.Parameter(torch.empty_like(value), requires_grad=False)
 
 
 def _carry(old: nn.Module, new: nn.Module, exclude: FrozenSet[str], own_hooks: Dict[str, Set[int]]) -> None:
@@ -176,4 +187,4 @@ def _is_property(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(type(module), name, None), property)
 
 
-__all__ = ["replace_with", "to_fp8", "to_unconverted", "unsafe_parametrization", "HOOK_DICTS"]
+__all__ = ["replace_with", "to_fp8", "to_unconverted", "parametrization_mismatch", "HOOK_DICTS"]
