@@ -208,7 +208,7 @@ def _run_on_meta(root: nn.Module, inputs: Any) -> None:
     state = {name: torch.empty_like(t, device="meta") for name, t in root.named_parameters(remove_duplicate=False)}
     state.update({name: torch.empty_like(t, device="meta") for name, t in root.named_buffers(remove_duplicate=False)})
     meta_inputs = tree_map(_to("meta"), inputs)
-    with torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         _call(root, meta_inputs, lambda *a, **k: functional_call(root, state, a, k, tie_weights=True, strict=False))
 
 
