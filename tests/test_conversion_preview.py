@@ -134,6 +134,7 @@ def test_conv_model_warns_from_convert_to_fp8():
     with pytest.warns(UserWarning, match="no layer runs in FP8") as caught:
         convert_to_fp8(model)
     assert "Conv2d x2" in str(caught[0].message)
+    assert not any(row.preview for row in precision_map(model))  # converted, though nothing could convert
 
 
 def test_layers_converted_by_other_libraries_are_reported_in_fp8():

@@ -32,6 +32,8 @@ from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
 
+#: set on a model convert_to_fp8 ran on
+CONVERTED_ATTR = "_fp8_converted"
 WOULD_CONVERT = "would be converted (preview: convert_to_fp8 has not run on this model)"
 
 
@@ -82,6 +84,7 @@ def convert_to_fp8(
             model = new
         else:
             _replace_everywhere(parents, module, new)
+    model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
     if verbose:
         from lightning_fp8.conversion.summary import log_conversion_summary
 
@@ -133,13 +136,16 @@ def revert_fp8(model: nn.Module) -> nn.Module:
     """Undo `convert_to_fp8`: FP8 layers become the original classes again (same Parameters, with the hooks and
     parametrizations they carried); returns the model."""
     if isinstance(model, FP8Layer):
-        return transplant.to_unconverted(model)
+        model = transplant.to_unconverted(model)
+        model.__dict__.pop(CONVERTED_ATTR, None)
+        return model
     parents = _parent_index(model)
     for fqn, module in list(model.named_modules()):
         if isinstance(module, FP8Layer):
             _replace_everywhere(parents, module, transplant.to_unconverted(module))
         else:
             module.__dict__.pop(SKIP_REASON_ATTR, None)
+    model.__dict__.pop(CONVERTED_ATTR, None)
     return model
 
 
@@ -166,7 +172,7 @@ def precision_map(
     rows = []
     for fqn, module in model.named_modules():
         if isinstance(module, FP8Layer):
-            label = kinds.base_class(module).__name__
+            label = kinds.label(module)
             flops = module.in_features * module.out_features
             if module.fp8_enabled:
                 rows.append(LayerPrecision(fqn, "fp8", "converted", label, flops))
@@ -196,8 +202,10 @@ def fp8_layers(model: nn.Module) -> Dict[str, FP8Layer]:
 
 
 def is_converted(model: nn.Module) -> bool:
-    """Whether `convert_to_fp8` has run on the model (an FP8 layer, or a linear it left with a reason)."""
-    return any(isinstance(m, FP8Layer) or SKIP_REASON_ATTR in m.__dict__ for m in model.modules())
+    """Whether `convert_to_fp8` has run on the model (its mark, an FP8 layer, or a linear it left with a reason)."""
+    return CONVERTED_ATTR in model.__dict__ or any(
+        isinstance(m, FP8Layer) or SKIP_REASON_ATTR in m.__dict__ for m in model.modules()
+    )
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------

@@ -122,6 +122,19 @@ def _available(kind: LinearKind) -> bool:
     return True
 
 
+def label(module: nn.Module) -> str:
+    """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
+    cls = base_class(module)
+    if isinstance(module, FP8Layer):
+        for kind in _KINDS:
+            module_name, _, class_name = kind.fp8_class.partition(":")
+            if cls.__module__ == module_name and cls.__name__ == class_name:
+                return kind.label
+        return cls.__name__
+    kind = linear_kind(module)
+    return kind.label if kind is not None else cls.__name__
+
+
 def features(module: nn.Module) -> Tuple[int, int]:
     """(in_features, out_features) of a linear-like module (FP8 layers included)."""
     if isinstance(module, FP8Layer):
@@ -215,6 +228,7 @@ __all__ = [
     "register_linear_kind",
     "linear_kind",
     "features",
+    "label",
     "base_class",
     "other_module",
     "OtherModule",
