@@ -122,14 +122,17 @@ def test_conv_only_model_warns_at_fit_start_naming_what_it_found():
     handler = logging.Handler()
     handler.emit = records.append
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]  # rank-zero logging
+    levels = [logger.level for logger in loggers]  # (another test may have quietened them)
     for logger in loggers:
         logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         with pytest.warns(UserWarning, match="no layer runs in FP8") as caught:
             fit(module, [batch_for(model)])
     finally:
-        for logger in loggers:
+        for logger, level in zip(loggers, levels):
             logger.removeHandler(handler)
+            logger.setLevel(level)
     message = str([w for w in caught if "no layer runs in FP8" in str(w.message)][0].message)
     assert "Conv2d x" in message and "BatchNorm2d x" in message and "Linear x1" in message
     summary = "\n".join(r.getMessage() for r in records if "lightning_fp8" in r.getMessage())
