@@ -148,6 +148,21 @@ def test_weight_tying_and_shared_modules_survive():
     assert model.shared is model.again and type(model.shared) is nn.Linear and model.a.weight is model.b.weight
 
 
+def test_a_linear_subclass_that_keeps_the_forward_stays_an_instance_of_its_class():
+    class InitOnly(nn.Linear):  # like transformers' EsmFoldLinear: its own init and methods, nn.Linear's forward
+        def describe(self):
+            return f"{self.in_features}->{self.out_features}"
+
+    model = nn.Sequential(nn.Linear(32, 64), InitOnly(64, 64), nn.Linear(64, 32))
+    parametrizations.weight_norm(model[1])
+    convert_to_fp8(model, NO_FIRST_LAST, verbose=False)
+    assert isinstance(model[1], FP8Layer) and isinstance(model[1], InitOnly) and model[1].describe() == "64->64"
+    assert {r.fqn: r.module_type for r in precision_map(model)}["1"] == "nn.Linear"
+    model(torch.randn(4, 32)).sum().backward()
+    revert_fp8(model)
+    assert parametrize.type_before_parametrizations(model[1]) is InitOnly and not isinstance(model[1], FP8Layer)
+
+
 def test_layers_conversion_would_change_are_left_alone_with_a_reason():
     class Scaled(nn.Linear):  # a subclass with its own forward computes something else than nn.Linear
         def forward(self, x):
@@ -157,9 +172,14 @@ def test_layers_conversion_would_change_are_left_alone_with_a_reason():
         def forward(self, x):
             return super().forward(x)
 
+    class FbgemmFp8Linear(nn.Linear):  # transformers' own FP8 integrations, detected by class name
+        def forward(self, x):
+            return super().forward(x)
+
     Float8Linear.__module__ = "torchao.float8.float8_linear"
+    FbgemmFp8Linear.__module__ = "transformers.integrations.fbgemm_fp8"
     model = nn.Sequential(nn.Linear(32, 64), Scaled(64, 64), Float8Linear(64, 64), nn.Linear(64, 64),
-                          nn.LazyLinear(64), nn.Conv1d(64, 64, 3), nn.Linear(64, 32))
+                          nn.LazyLinear(64), nn.Conv1d(64, 64, 3), FbgemmFp8Linear(64, 64), nn.Linear(64, 32))
     wrapped = model[3]
     original_forward = wrapped.forward
     wrapped.forward = lambda x: original_forward(x) + 1  # replaced on the instance (as device-map hooks do)
@@ -170,6 +190,7 @@ def test_layers_conversion_would_change_are_left_alone_with_a_reason():
     assert not isinstance(model[3], FP8Layer) and "replaced on the instance" in rows["3"].reason
     assert "LazyLinear not initialized" in rows["4"].reason
     assert rows["5"].precision == "bf16" and rows["5"].reason.startswith("convolution")
+    assert rows["6"].precision == "fp8" and "converted to FP8 by transformers" in rows["6"].reason
     assert not any(isinstance(m, FP8Layer) for m in model)
 
 

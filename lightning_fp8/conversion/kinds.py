@@ -63,7 +63,27 @@ class LinearKind:
         return cls
 
     def convert(self, module: nn.Module, recipe: FP8Recipe) -> FP8Layer:
-        return self.build(self.fp8_layer_class(), module, recipe)
+        """The FP8 layer for `module`; for a subclass of the source class (one that keeps its forward), an FP8 class
+        that also extends that subclass, so the layer stays an instance of it and keeps its other methods."""
+        fp8_class = self.fp8_layer_class()
+        cls = base_class(module)
+        if cls is not self.source_class():
+            fp8_class = fp8_subclass(fp8_class, cls)
+        return self.build(fp8_class, module, recipe)
+
+
+_FP8_SUBCLASSES: Dict[Tuple[type, type], type] = {}
+#: on an FP8 class made by `fp8_subclass`: the class `revert_fp8` gives back
+SOURCE_CLASS_ATTR = "_fp8_source_class"
+
+
+def fp8_subclass(fp8_class: type, cls: type) -> type:
+    """`class FP8<cls>(fp8_class, cls)`: the FP8 forward first in the MRO, then `cls`'s methods (made once)."""
+    key = (fp8_class, cls)
+    if key not in _FP8_SUBCLASSES:
+        _FP8_SUBCLASSES[key] = type(f"FP8{cls.__name__}", (fp8_class, cls), {SOURCE_CLASS_ATTR: cls,
+                                                                            "__module__": cls.__module__})
+    return _FP8_SUBCLASSES[key]
 
 
 LINEAR = LinearKind(
@@ -126,10 +146,10 @@ def label(module: nn.Module) -> str:
     """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
     cls = base_class(module)
     if isinstance(module, FP8Layer):
-        for kind in _KINDS:
-            module_name, _, class_name = kind.fp8_class.partition(":")
-            if cls.__module__ == module_name and cls.__name__ == class_name:
-                return kind.label
+        for klass in cls.__mro__:  # an FP8 class made by fp8_subclass extends the kind's FP8 class
+            for kind in _KINDS:
+                if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
+                    return kind.label
         return cls.__name__
     kind = linear_kind(module)
     return kind.label if kind is not None else cls.__name__
@@ -172,13 +192,15 @@ def other_module(module: nn.Module) -> Optional[OtherModule]:
     cls = base_class(module)
     package = cls.__module__.split(".")[0]
     name = cls.__name__
-    if package in FOREIGN_FP8 and name in FOREIGN_FP8_CLASSES:
+    if package == "lightning_fp8":
+        return None  # the FP8 layers' own parts (fp8_meta)
+    if (package in FOREIGN_FP8 and name in FOREIGN_FP8_CLASSES) or (_fp8_by_name(name) and hasattr(module, "weight")):
         flops = _flops_if_linear(module)
         return OtherModule(
             "fp8",
-            f"converted to FP8 by {FOREIGN_FP8[package]} ({cls.__module__}.{name}); its scales are managed by that "
-            "library, not by lightning_fp8",
-            f"{FOREIGN_FP8[package]} {name}",
+            f"converted to FP8 by {FOREIGN_FP8.get(package, package)} ({cls.__module__}.{name}); its scales are "
+            "managed by that library, not by lightning_fp8",
+            f"{FOREIGN_FP8.get(package, package)} {name}",
             flops,
         )
     if issubclass(cls, nn.Linear):
@@ -205,6 +227,12 @@ def other_module(module: nn.Module) -> Optional[OtherModule]:
     if isinstance(module, nn.Bilinear):
         return OtherModule("bf16", f"bilinear layer: {NO_FP8_PATH}", name)
     return None
+
+
+def _fp8_by_name(name: str) -> bool:
+    """An FP8 linear of a library not listed above, by its class name (e.g. transformers' FbgemmFp8Linear)."""
+    lowered = name.lower()
+    return ("fp8" in lowered or "float8" in lowered) and "linear" in lowered
 
 
 def _flops_if_linear(module: nn.Module) -> int:

@@ -82,7 +82,15 @@ def to_unconverted(layer: nn.Module) -> nn.Module:
     if internals is None:  # an FP8 layer built directly, not by conversion: only the user's hooks move
         internals = frozenset(_names(layer))
         own_hooks = {name: {k for k, hook in getattr(layer, name).items() if _is_library_hook(hook)} for name in HOOK_DICTS}
-    return replace_with(layer, lambda m: m.to_unconverted(), exclude=internals, own_hooks=own_hooks)
+    source = getattr(parametrize.type_before_parametrizations(layer), "_fp8_source_class", None)
+
+    def unconverted(module: nn.Module) -> nn.Module:
+        plain = module.to_unconverted()
+        if source is not None and type(plain) is not source:  # converted from a subclass: give that class back
+            plain.__class__ = source
+        return plain
+
+    return replace_with(layer, unconverted, exclude=internals, own_hooks=own_hooks)
 
 
 def parametrization_mismatch(module: nn.Module, shapes: Dict[str, Tuple[int, ...]]) -> Optional[str]:
