@@ -1,95 +1,198 @@
-"""Model conversion: which linears become FP8Linear, and why the others do not.
+"""Model conversion: which linear layers become FP8 layers, and why the others do not.
 
-Every linear that is left in high precision gets a recorded reason (`precision_map` reads them back), so a user
-can always answer "why is this layer not in FP8?".
+    convert_to_fp8(model)   linear layers (nn.Linear, transformers' Conv1D, registered kinds) -> FP8 layers, in place
+    revert_fp8(model)       FP8 layers -> the original classes (same Parameters, hooks, parametrizations)
+    precision_map(model)    every GEMM-bearing module: FP8 or BF16 and why; on a model not converted yet, a preview
+                            of what convert_to_fp8 would do
+
+Every layer left in high precision gets a recorded reason (`precision_map` reads them back), so a user can always
+answer "why is this layer not in FP8?". Which classes count as linear layers: lightning_fp8/conversion/kinds.py;
+the rules: filters.py; "first" and "last": order.py; what moves with a replaced layer: transplant.py.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from torch import nn
 
-from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, ModuleFilter, default_skip_reason, filter_reason
-from lightning_fp8.modules.linear import FP8Layer, FP8Linear
+from lightning_fp8.conversion import kinds, transplant
+from lightning_fp8.conversion.filters import (
+    FIRST_LAST_SWITCH,
+    SKIP_REASON_ATTR,
+    ModuleFilter,
+    filter_reason,
+    rule_skip_reason,
+    structural_skip_reason,
+)
+from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
+from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
+
+log = logging.getLogger("lightning_fp8")
+
+#: set on a model convert_to_fp8 ran on
+CONVERTED_ATTR = "_fp8_converted"
+WOULD_CONVERT = "would be converted (preview: convert_to_fp8 has not run on this model)"
+
 
 @dataclass(frozen=True)
 class LayerPrecision:
-    """One row of the precision map."""
+    """One row of the precision map.
+
+    precision: "fp8" or "bf16" (the compute dtype of everything that is not an FP8 GEMM); flops_per_token: the
+    layer's multiply-adds per token (in x out; 0 where it is not a linear GEMM, e.g. a convolution); preview: True
+    when the row says what `convert_to_fp8` would do to a model that is not converted."""
 
     fqn: str
-    precision: str  # "fp8" or "bf16"
+    precision: str
     reason: str
-
-
-def _linears(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
-    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    module_type: str = ""
+    flops_per_token: int = 0
+    preview: bool = False
 
 
 def convert_to_fp8(
     model: nn.Module,
     recipe: Optional[FP8Recipe] = None,
     module_filter: Optional[ModuleFilter] = None,
+    *,
+    example_input: Any = AUTO,
+    verbose: bool = True,
 ) -> nn.Module:
-    """Replace the model's nn.Linear layers by FP8Linear in place, and return the model.
+    """Replace the model's linear layers by FP8 layers in place, and return the model.
 
-    module_filter(module, fqn) -> bool, if given, replaces the default filter (True: convert). Layers already
-    converted are left alone, so converting twice is a no-op. A bare nn.Linear passed as `model` is returned
-    converted (there is no parent to replace it in).
-    """
-    recipe = recipe if recipe is not None else FP8Recipe()
-    if not isinstance(recipe, FP8Recipe):
-        raise TypeError(f"recipe must be an FP8Recipe, got {type(recipe).__name__}")
-    linears = _linears(model)
-    if not linears:
-        return model
-    first_fqn, last_fqn = linears[0][0], linears[-1][0]
+    module_filter(module, fqn) -> bool, if given, replaces the default filter (True: convert); layers that cannot run
+    in FP8 as they are used stay in BF16 whatever it says. example_input: an input for one traced forward that finds
+    which layers share an input (the first/last rule, see lightning_fp8/conversion/order.py); by default one is
+    looked for on the model. verbose: log the conversion summary (logger "lightning_fp8") and warn when little or
+    nothing converts. Layers already converted are left alone, so converting twice is a no-op. A bare linear layer
+    passed as `model` is returned converted (there is no parent to replace it in)."""
+    recipe = _check_recipe(recipe)
+    decisions = plan_conversion(model, recipe, module_filter, example_input=example_input)
+    parents = _parent_index(model)
+    for fqn, reason in decisions.items():
+        module = model.get_submodule(fqn) if fqn else model
+        module.__dict__.pop(SKIP_REASON_ATTR, None)
+        if reason is not None:
+            module.__dict__[SKIP_REASON_ATTR] = reason
+            continue
+        kind = kinds.linear_kind(module)
+        new = transplant.to_fp8(module, lambda m, kind=kind: kind.convert(m, recipe))
+        if not fqn:
+            model = new
+        else:
+            _replace_everywhere(parents, module, new)
+    model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
+    if verbose:
+        from lightning_fp8.conversion.summary import log_conversion_summary
+
+        log_conversion_summary(model)
+    return model
+
+
+def plan_conversion(
+    model: nn.Module,
+    recipe: Optional[FP8Recipe] = None,
+    module_filter: Optional[ModuleFilter] = None,
+    *,
+    example_input: Any = AUTO,
+    preview: bool = False,
+) -> Dict[str, Optional[str]]:
+    """{fqn: None (convert) or the reason to stay in BF16} for every linear layer not in FP8 yet, in module order.
+
+    preview: do not call a filter object for its side effects (a filter with `skip_reason` is asked that instead)."""
+    recipe = _check_recipe(recipe)
     decisions: Dict[str, Optional[str]] = {}
-    for fqn, module in linears:
+    candidates: List[str] = []
+    for fqn, module in model.named_modules():
         if isinstance(module, FP8Layer):
+            if module.fp8_enabled:
+                candidates.append(fqn)  # counts for first / last; left as it is
+            continue
+        if kinds.linear_kind(module) is None:
             continue
         if module_filter is not None:
-            decisions[fqn] = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
+            if preview and callable(getattr(module_filter, "skip_reason", None)):
+                reason = module_filter.skip_reason(module, fqn)
+            else:
+                reason = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
+            reason = structural_skip_reason(module) or reason  # what no filter can override
         else:
-            decisions[fqn] = default_skip_reason(module, fqn, recipe, fqn == first_fqn, fqn == last_fqn)
-    if "" in decisions:  # the model itself is a linear
-        if decisions[""] is None:
-            return FP8Linear.from_linear(model, recipe)
-        setattr(model, SKIP_REASON_ATTR, decisions[""])
-        return model
-    for fqn, reason in decisions.items():
-        module = model.get_submodule(fqn)
-        if reason is None:
-            _replace(model, fqn, FP8Linear.from_linear(module, recipe))
-        else:
-            setattr(module, SKIP_REASON_ATTR, reason)
-    return model
+            reason = rule_skip_reason(module, fqn, recipe)
+            if reason is None:
+                candidates.append(fqn)
+        decisions[fqn] = reason
+    if module_filter is None and recipe.keep_first_last_in_bf16 and candidates:
+        order = layer_order(model, candidates, example_input)
+        for fqn, reason in _first_last_reasons(order).items():
+            if fqn in decisions:  # layers converted before keep their precision (converting twice is a no-op)
+                decisions[fqn] = reason
+    return decisions
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:
-    """Undo `convert_to_fp8`: FP8Linear layers become nn.Linear again (same Parameters); returns the model."""
+    """Undo `convert_to_fp8`: FP8 layers become the original classes again (same Parameters, with the hooks and
+    parametrizations they carried); returns the model."""
     if isinstance(model, FP8Layer):
-        return model.to_unconverted()
+        model = transplant.to_unconverted(model)
+        model.__dict__.pop(CONVERTED_ATTR, None)
+        return model
+    parents = _parent_index(model)
     for fqn, module in list(model.named_modules()):
         if isinstance(module, FP8Layer):
-            _replace(model, fqn, module.to_unconverted())
-        elif isinstance(module, nn.Linear) and hasattr(module, SKIP_REASON_ATTR):
-            delattr(module, SKIP_REASON_ATTR)
+            _replace_everywhere(parents, module, transplant.to_unconverted(module))
+        else:
+            module.__dict__.pop(SKIP_REASON_ATTR, None)
+    model.__dict__.pop(CONVERTED_ATTR, None)
     return model
 
 
-def precision_map(model: nn.Module) -> List[LayerPrecision]:
-    """Every linear of the model: FP8 or BF16, and why."""
+def precision_map(
+    model: nn.Module,
+    recipe: Optional[FP8Recipe] = None,
+    module_filter: Optional[ModuleFilter] = None,
+    *,
+    example_input: Any = AUTO,
+) -> List[LayerPrecision]:
+    """Every linear layer of the model (and every other module that runs a GEMM: convolutions, the fused input
+    projection of nn.MultiheadAttention, layers another FP8 library converted), FP8 or BF16, and why.
+
+    On a converted model, what conversion and fallback decided. On a model `convert_to_fp8` has not run on, a preview:
+    what it would do with `recipe` / `module_filter` (default: the default recipe and filter); rows have
+    `preview=True`."""
+    converted = is_converted(model)
+    if converted and (recipe is not None or module_filter is not None):
+        raise ValueError(
+            "precision_map(model, recipe=..., module_filter=...) previews a conversion, but this model is converted "
+            "already; call precision_map(model) for its state, or revert_fp8(model) first to preview other settings"
+        )
+    plan = {} if converted else plan_conversion(model, recipe, module_filter, example_input=example_input, preview=True)
     rows = []
-    for fqn, module in _linears(model):
+    for fqn, module in model.named_modules():
         if isinstance(module, FP8Layer):
+            label = kinds.label(module)
+            flops = module.in_features * module.out_features
             if module.fp8_enabled:
-                rows.append(LayerPrecision(fqn, "fp8", "converted"))
+                rows.append(LayerPrecision(fqn, "fp8", "converted", label, flops))
             else:
-                rows.append(LayerPrecision(fqn, "bf16", module.fp8_disabled_reason or "fp8_enabled=False"))
-        else:
-            rows.append(LayerPrecision(fqn, "bf16", getattr(module, SKIP_REASON_ATTR, "not converted")))
+                rows.append(LayerPrecision(fqn, "bf16", module.fp8_disabled_reason or "fp8_enabled=False", label, flops))
+            continue
+        kind = kinds.linear_kind(module)
+        if kind is not None:
+            in_f, out_f = kind.features(module)
+            if converted:
+                reason = module.__dict__.get(SKIP_REASON_ATTR, "not converted (not in the model when convert_to_fp8 ran)")
+                rows.append(LayerPrecision(fqn, "bf16", reason, kind.label, in_f * out_f))
+            else:
+                reason = plan.get(fqn)
+                precision, reason = ("fp8", WOULD_CONVERT) if reason is None else ("bf16", reason)
+                rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True))
+            continue
+        other = kinds.other_module(module)
+        if other is not None:
+            rows.append(LayerPrecision(fqn, other.precision, other.reason, other.label, other.flops_per_token, not converted))
     return rows
 
 
@@ -98,7 +201,63 @@ def fp8_layers(model: nn.Module) -> Dict[str, FP8Layer]:
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Layer)}
 
 
-def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, child_name = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child_name, new)
+def is_converted(model: nn.Module) -> bool:
+    """Whether `convert_to_fp8` has run on the model (its mark, an FP8 layer, or a linear it left with a reason)."""
+    return CONVERTED_ATTR in model.__dict__ or any(
+        isinstance(m, FP8Layer) or SKIP_REASON_ATTR in m.__dict__ for m in model.modules()
+    )
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+def _check_recipe(recipe: Optional[FP8Recipe]) -> FP8Recipe:
+    recipe = recipe if recipe is not None else FP8Recipe()
+    if not isinstance(recipe, FP8Recipe):
+        raise TypeError(f"recipe must be an FP8Recipe, got {type(recipe).__name__}")
+    return recipe
+
+
+def _first_last_reasons(order: LayerOrder) -> Dict[str, str]:
+    how = "forward order, traced" if order.method == "traced" else f"{order.method}: {order.note}"
+    reasons: Dict[str, str] = {}
+    for which, group in (("last", order.last()), ("first", order.first())):
+        head = group[0]
+        for fqn in group:
+            if fqn == head:
+                reasons[fqn] = f"{which} linear layer kept in BF16 ({FIRST_LAST_SWITCH}; {how})"
+            else:
+                reasons[fqn] = (f"reads the same input as {head}, the {which} linear layer: kept in BF16 with it "
+                                f"({FIRST_LAST_SWITCH}; {how})")
+    return reasons
+
+
+def _parent_index(model: nn.Module) -> Dict[int, List[tuple]]:
+    """id(child) -> [(parent, attribute name), ...] over the whole model (shared modules have several)."""
+    index: Dict[int, List[tuple]] = {}
+    seen = set()
+    for _, parent in model.named_modules(remove_duplicate=False):
+        if id(parent) in seen:
+            continue
+        seen.add(id(parent))
+        for name, child in parent._modules.items():
+            if child is not None:
+                index.setdefault(id(child), []).append((parent, name))
+    return index
+
+
+def _replace_everywhere(parents: Dict[int, List[tuple]], old: nn.Module, new: nn.Module) -> None:
+    """Put `new` wherever `old` is registered (a module shared by several parents is replaced in each)."""
+    entries = parents.pop(id(old), [])
+    for parent, name in entries:
+        setattr(parent, name, new)
+    parents[id(new)] = entries
+
+
+__all__ = [
+    "LayerPrecision",
+    "convert_to_fp8",
+    "revert_fp8",
+    "precision_map",
+    "plan_conversion",
+    "fp8_layers",
+    "is_converted",
+]

@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from lightning_fp8.conversion import kinds
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, structural_skip_reason
 
 EMULATED_REASON = "FP8 emulated: no speed model"
@@ -177,13 +178,14 @@ class AutoShapeFilter:
         self.decisions: Dict[str, Tuple[bool, str]] = {}
 
     def skip_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
-        if not isinstance(module, nn.Linear):
-            return "not an nn.Linear"
+        if kinds.linear_kind(module) is None:
+            return "not a linear layer conversion knows (lightning_fp8/conversion/kinds.py)"
         reason = structural_skip_reason(module)
         if reason is None:
-            device = self.device if self.device is not None else module.weight.device
+            device = self.device if self.device is not None else _device(module)
+            in_features, out_features = kinds.features(module)
             wins, why = fp8_wins(
-                self.tokens_per_batch, module.in_features, module.out_features, device, self.min_speedup, self.compiled
+                self.tokens_per_batch, in_features, out_features, device, self.min_speedup, self.compiled
             )
             reason = None if wins else why
             self.decisions[fqn] = (wins, why)
@@ -209,16 +211,22 @@ def auto_filter(
 
 
 def shape_skip_reason(
-    module: nn.Linear,
+    module: nn.Module,
     tokens_per_batch: int,
     device: DeviceLike = None,
     min_speedup: float = 1.0,
     compiled: bool = False,
 ) -> Optional[str]:
     """For `default_skip_reason`: the reason to keep `module` in BF16 on speed grounds, or None to convert it."""
-    device = device if device is not None else module.weight.device
-    wins, why = fp8_wins(tokens_per_batch, module.in_features, module.out_features, device, min_speedup, compiled)
+    device = device if device is not None else _device(module)
+    in_features, out_features = kinds.features(module)
+    wins, why = fp8_wins(tokens_per_batch, in_features, out_features, device, min_speedup, compiled)
     return None if wins else why
+
+
+def _device(module: nn.Module) -> torch.device:
+    tensor = next(iter(module.parameters()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 __all__ = [

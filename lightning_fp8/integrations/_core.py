@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_fp8.conversion.convert import convert_to_fp8
 from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.conversion.summary import log_conversion_summary
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
@@ -63,7 +64,11 @@ class FP8PrecisionCore:
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
-        module = convert_to_fp8(module, self.recipe, self.module_filter)
+        module = convert_to_fp8(module, self.recipe, self.module_filter, verbose=False)
+        if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
+            from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
         exclude_fp8_meta_from_ddp_broadcast(module)
         self._module = module
         self.engine.attach(module)

@@ -213,11 +213,13 @@ class FP8AcceleratorMixin:
         if self._fp8_core is None:
             return super().unscale_gradients(optimizer)
         if not self.sync_gradients:
+            if not self._loss_scaled():
+                return  # no loss scale, nothing to unscale (as under BF16); the engine checks the summed gradients
             raise RuntimeError(
-                "lightning_fp8: gradients were unscaled / clipped in the middle of gradient accumulation. Clip on the "
-                "step that updates the weights, as Accelerate documents: `if accelerator.sync_gradients: "
-                "accelerator.clip_grad_norm_(model.parameters(), max_norm)` (the micro-batches still to come would "
-                "add loss-scaled gradients to unscaled ones)."
+                "lightning_fp8: gradients were unscaled / clipped in the middle of gradient accumulation while loss "
+                "scaling is active. Clip on the step that updates the weights, as Accelerate documents: `if "
+                "accelerator.sync_gradients: accelerator.clip_grad_norm_(model.parameters(), max_norm)` (the "
+                "micro-batches still to come would add loss-scaled gradients to unscaled ones)."
             )
         if optimizer is None:
             optimizers = self._optimizers
@@ -231,7 +233,7 @@ class FP8AcceleratorMixin:
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip on unscaled gradients. With the L2 norm over exactly one optimizer's parameters (the usual
         `model.parameters()`) this is engine.clip_grad_norm_: norm in fp32, a non-finite norm skips the step."""
-        if self._fp8_core is None:
+        if self._fp8_core is None or self._clipping_a_micro_batch():
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = list(parameters)
         owners = self._owners(params)
@@ -244,12 +246,21 @@ class FP8AcceleratorMixin:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        if self._fp8_core is None:
+        if self._fp8_core is None or self._clipping_a_micro_batch():
             return super().clip_grad_value_(parameters, clip_value)
         params = list(parameters)
         owners = self._owners(params)
         self.unscale_gradients(owners or None)
         clipping.clip_grad_value_([p.grad for p in params], clip_value)
+
+    def _loss_scaled(self) -> bool:
+        scaler = self._fp8_core.engine.scaler
+        return scaler.dynamic or scaler.scale != 1.0
+
+    def _clipping_a_micro_batch(self) -> bool:
+        """Clipping inside accumulate() before the gradients sync, without loss scaling: Accelerate's own clipping
+        (as under BF16), outside the engine, whose finiteness check then covers every micro-batch at the step."""
+        return not self.sync_gradients and not self._loss_scaled()
 
     def _owners(self, params: Sequence[torch.Tensor]) -> List[AcceleratedOptimizer]:
         ids = {id(p) for p in params}

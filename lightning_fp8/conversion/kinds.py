@@ -1,0 +1,263 @@
+"""Which module classes are linear layers conversion can put in FP8, and how every other GEMM-bearing module is named.
+
+A *linear kind* is a class whose forward is y = x W^T + b in some storage layout, with the FP8 layer that replaces it:
+
+    nn.Linear                        -> FP8Linear  (lightning_fp8/modules/linear.py)
+    transformers.pytorch_utils.Conv1D -> FP8Conv1D (lightning_fp8/modules/hf_conv1d.py), GPT-2's projections
+
+The registry holds *names*, not classes: a kind is looked up only when the module that defines its class is already
+imported (a model cannot hold a `Conv1D` unless transformers is imported), so lightning-fp8 never imports transformers
+itself. `register_linear_kind` adds a class of your own.
+
+`other_module(module)` names the modules conversion leaves alone and why (convolutions, nn.MultiheadAttention's fused
+input projection, layers another FP8 library already converted, subclasses that replace nn.Linear.forward), so the
+precision map covers every module that runs a GEMM-like operation.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from lightning_fp8.modules.linear import FP8Layer
+from lightning_fp8.recipe import FP8Recipe
+
+
+@dataclass(frozen=True)
+class LinearKind:
+    """A linear-like module class and the FP8 layer that replaces it.
+
+    source: the class's qualified name ("module.Class"); fp8_class: "module:Class" of its FP8Layer;
+    features(module) -> (in_features, out_features); build(fp8_class, module, recipe) -> the FP8 layer, reusing the
+    module's Parameters; weight_transposed: the weight is stored (in, out) instead of (out, in)."""
+
+    label: str
+    source: str
+    fp8_class: str
+    features: Callable[[nn.Module], Tuple[int, int]]
+    build: Callable[[type, nn.Module, FP8Recipe], FP8Layer]
+    weight_transposed: bool = False
+
+    def tensor_shapes(self, module: nn.Module) -> Dict[str, Tuple[int, ...]]:
+        """The shapes the FP8 layer relies on: its weight's and its bias's."""
+        in_f, out_f = self.features(module)
+        return {"weight": (in_f, out_f) if self.weight_transposed else (out_f, in_f), "bias": (out_f,)}
+
+    def source_class(self) -> Optional[type]:
+        """The class, if its module is imported (else no instance can exist)."""
+        module_name, _, class_name = self.source.rpartition(".")
+        module = sys.modules.get(module_name)
+        return getattr(module, class_name, None) if module is not None else None
+
+    def fp8_layer_class(self) -> type:
+        """The FP8 layer class; raises ImportError with the reason when it cannot be imported."""
+        module_name, _, class_name = self.fp8_class.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+        if cls is None:
+            why = getattr(sys.modules.get(module_name), "IMPORT_ERROR", None) or "not defined"
+            raise ImportError(f"{self.fp8_class} is not available ({why})")
+        return cls
+
+    def convert(self, module: nn.Module, recipe: FP8Recipe) -> FP8Layer:
+        """The FP8 layer for `module`; for a subclass of the source class (one that keeps its forward), an FP8 class
+        that also extends that subclass, so the layer stays an instance of it and keeps its other methods."""
+        fp8_class = self.fp8_layer_class()
+        cls = base_class(module)
+        if cls is not self.source_class():
+            fp8_class = fp8_subclass(fp8_class, cls)
+        return self.build(fp8_class, module, recipe)
+
+
+_FP8_SUBCLASSES: Dict[Tuple[type, type], type] = {}
+#: on an FP8 class made by `fp8_subclass`: the class `revert_fp8` gives back
+SOURCE_CLASS_ATTR = "_fp8_source_class"
+
+
+def fp8_subclass(fp8_class: type, cls: type) -> type:
+    """`class FP8<cls>(fp8_class, cls)`: the FP8 forward first in the MRO, then `cls`'s methods (made once)."""
+    key = (fp8_class, cls)
+    if key not in _FP8_SUBCLASSES:
+        _FP8_SUBCLASSES[key] = type(f"FP8{cls.__name__}", (fp8_class, cls), {SOURCE_CLASS_ATTR: cls,
+                                                                            "__module__": cls.__module__})
+    return _FP8_SUBCLASSES[key]
+
+
+LINEAR = LinearKind(
+    label="nn.Linear",
+    source="torch.nn.modules.linear.Linear",
+    fp8_class="lightning_fp8.modules.linear:FP8Linear",
+    features=lambda m: (m.in_features, m.out_features),
+    build=lambda cls, m, recipe: cls.from_linear(m, recipe),
+)
+HF_CONV1D = LinearKind(
+    label="transformers Conv1D",
+    source="transformers.pytorch_utils.Conv1D",
+    fp8_class="lightning_fp8.modules.hf_conv1d:FP8Conv1D",
+    features=lambda m: (m.nx, m.nf),
+    build=lambda cls, m, recipe: cls.from_conv1d(m, recipe),
+    weight_transposed=True,
+)
+
+_KINDS: List[LinearKind] = [LINEAR, HF_CONV1D]
+
+
+def register_linear_kind(kind: LinearKind) -> None:
+    """Let conversion put instances of `kind.source` in FP8 (its FP8 layer: `FP8Layer` mixed into that class, with
+    `fp8_weight()` and `to_unconverted()`, see lightning_fp8/modules/hf_conv1d.py for an example)."""
+    if not isinstance(kind, LinearKind):
+        raise TypeError(f"register_linear_kind expects a LinearKind, got {type(kind).__name__}")
+    _KINDS[:] = [k for k in _KINDS if k.source != kind.source] + [kind]
+
+
+def base_class(module: nn.Module) -> type:
+    """The module's class before torch parametrizations replaced it by a generated subclass."""
+    return parametrize.type_before_parametrizations(module)
+
+
+def linear_kind(module: nn.Module) -> Optional[LinearKind]:
+    """The kind of a linear layer conversion can put in FP8, or None.
+
+    nn.Linear subclasses count only when they keep nn.Linear.forward (e.g. nn.MultiheadAttention's out_proj class):
+    a subclass with its own forward computes something else, and replacing it would drop that forward."""
+    if isinstance(module, FP8Layer):
+        return None
+    cls = base_class(module)
+    if issubclass(cls, nn.Linear):
+        return LINEAR if cls.forward is nn.Linear.forward else None
+    for kind in _KINDS:
+        if kind is not LINEAR and cls is kind.source_class() and _available(kind):
+            return kind
+    return None
+
+
+def _available(kind: LinearKind) -> bool:
+    try:
+        kind.fp8_layer_class()
+    except ImportError:
+        return False
+    return True
+
+
+def label(module: nn.Module) -> str:
+    """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
+    cls = base_class(module)
+    if isinstance(module, FP8Layer):
+        for klass in cls.__mro__:  # an FP8 class made by fp8_subclass extends the kind's FP8 class
+            for kind in _KINDS:
+                if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
+                    return kind.label
+        return cls.__name__
+    kind = linear_kind(module)
+    return kind.label if kind is not None else cls.__name__
+
+
+def features(module: nn.Module) -> Tuple[int, int]:
+    """(in_features, out_features) of a linear-like module (FP8 layers included)."""
+    if isinstance(module, FP8Layer):
+        return module.in_features, module.out_features
+    kind = linear_kind(module)
+    if kind is None:
+        raise TypeError(f"{type(module).__name__} is not a linear layer conversion knows")
+    return kind.features(module)
+
+
+# -- modules conversion leaves alone ------------------------------------------------------------------------------
+#: top-level packages of other FP8 libraries whose linear layers already run in FP8
+FOREIGN_FP8 = {"torchao": "torchao", "transformer_engine": "Transformer Engine", "msamp": "MS-AMP"}
+#: class names of those libraries' FP8 GEMM modules (their containers hold these, which are listed one by one)
+FOREIGN_FP8_CLASSES = {"Float8Linear", "MXLinear", "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear",
+                       "FP8Linear", "ScalingLinear"}
+
+NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear and transformers' Conv1D)"
+
+
+@dataclass(frozen=True)
+class OtherModule:
+    """A module that runs a GEMM-like operation but that conversion leaves as it is."""
+
+    precision: str  # "fp8" (converted by another library) or "bf16"
+    reason: str
+    label: str
+    flops_per_token: int = 0
+
+
+def other_module(module: nn.Module) -> Optional[OtherModule]:
+    """How the precision map names a GEMM-bearing module that is not a convertible linear, or None for any other."""
+    if isinstance(module, FP8Layer) or linear_kind(module) is not None:
+        return None
+    cls = base_class(module)
+    package = cls.__module__.split(".")[0]
+    name = cls.__name__
+    if package == "lightning_fp8":
+        return None  # the FP8 layers' own parts (fp8_meta)
+    if (package in FOREIGN_FP8 and name in FOREIGN_FP8_CLASSES) or (_fp8_by_name(name) and hasattr(module, "weight")):
+        flops = _flops_if_linear(module)
+        return OtherModule(
+            "fp8",
+            f"converted to FP8 by {FOREIGN_FP8.get(package, package)} ({cls.__module__}.{name}); its scales are "
+            "managed by that library, not by lightning_fp8",
+            f"{FOREIGN_FP8.get(package, package)} {name}",
+            flops,
+        )
+    if issubclass(cls, nn.Linear):
+        return OtherModule(
+            "bf16",
+            f"{cls.__module__}.{name} replaces nn.Linear.forward: converting it would drop that forward, so it is "
+            "left as it is",
+            name,
+            _flops_if_linear(module),
+        )
+    if name == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return OtherModule("bf16", _conv1d_reason(cls), name, module.nx * module.nf)
+    if isinstance(module, nn.MultiheadAttention):
+        e = module.embed_dim
+        return OtherModule(
+            "bf16",
+            "nn.MultiheadAttention's input projection (in_proj_weight: q, k, v) is applied by "
+            "F.multi_head_attention_forward, never through a linear module: " + NO_FP8_PATH,
+            "MultiheadAttention (in_proj)",
+            e * e + module.kdim * e + module.vdim * e,
+        )
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return OtherModule("bf16", f"convolution: {NO_FP8_PATH}", name)
+    if isinstance(module, nn.Bilinear):
+        return OtherModule("bf16", f"bilinear layer: {NO_FP8_PATH}", name)
+    return None
+
+
+def _fp8_by_name(name: str) -> bool:
+    """An FP8 linear of a library not listed above, by its class name (e.g. transformers' FbgemmFp8Linear)."""
+    lowered = name.lower()
+    return ("fp8" in lowered or "float8" in lowered) and "linear" in lowered
+
+
+def _flops_if_linear(module: nn.Module) -> int:
+    in_f, out_f = getattr(module, "in_features", 0), getattr(module, "out_features", 0)
+    return in_f * out_f if isinstance(in_f, int) and isinstance(out_f, int) else 0
+
+
+def _conv1d_reason(cls: type) -> str:
+    supported = HF_CONV1D.source
+    try:
+        HF_CONV1D.fp8_layer_class()
+    except ImportError as error:
+        return f"{cls.__module__}.Conv1D: FP8Conv1D needs transformers, which cannot be imported here ({error})"
+    return f"{cls.__module__}.Conv1D is not {supported} (the Conv1D FP8 supports): {NO_FP8_PATH}"
+
+
+__all__ = [
+    "LinearKind",
+    "LINEAR",
+    "HF_CONV1D",
+    "register_linear_kind",
+    "linear_kind",
+    "features",
+    "label",
+    "base_class",
+    "other_module",
+    "OtherModule",
+]

@@ -1,0 +1,238 @@
+"""Which linear layers are "first" and "last": the order the forward runs them in, and siblings that share an input.
+
+The first/last rule (`FP8Recipe.keep_first_last_in_bf16`) keeps both ends of the network in BF16. It counts only
+layers that would otherwise convert (a layer already kept in BF16 for another reason is never "first" or "last"), and
+it treats layers that read the same input tensor as one group:
+
+- **first**: the first linear layer the forward runs, and every layer that reads the same input tensor (a
+  transformer's layer-0 q, k and v projections; a SwiGLU MLP's gate and up projections if they came first);
+- **last**: the last linear layer the forward runs, and every layer that reads the same input as it.
+
+How the order and the groups are found:
+
+- **traced** (when an example input is known): one forward of the model with a pre-hook on every candidate layer
+  recording the input tensor it receives. It runs on the meta device when the model allows (no compute, no memory,
+  no state change); otherwise as a real forward in eval mode under `torch.no_grad()`, with the RNG state restored.
+  Layers the traced forward does not run are never first or last. Example inputs come from, in this order: the
+  `example_input` argument of `convert_to_fp8` / `precision_map`; a LightningModule's `example_input_array`; a
+  Hugging Face model's own (`dummy_inputs`, or a `pixel_values` image of the config's size for vision models). A
+  model without one is searched for Hugging Face submodules, which are traced on their own.
+- **module order** (no example input, or the forward failed): the order the layers were registered in, each layer a
+  group of its own; the reason in the precision map says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+#: `example_input` value meaning "look for one on the model"
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class LayerOrder:
+    """Candidate layers grouped by shared input, in forward order. `method`: how that order was found."""
+
+    groups: List[List[str]]
+    method: str  # "traced" or "module order"
+    note: str = ""  # why the module order was used
+
+    def first(self) -> List[str]:
+        return self.groups[0] if self.groups else []
+
+    def last(self) -> List[str]:
+        return self.groups[-1] if self.groups else []
+
+
+def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AUTO) -> LayerOrder:
+    """Group `candidates` (fully qualified names of layers of `model`, in module order) as described above."""
+    if not candidates:
+        return LayerOrder([], "module order")
+    scopes = _scopes(model, example_input)
+    traced: Dict[str, List[List[str]]] = {}
+    failures = []
+    for prefix, scope, inputs in scopes:
+        inside = [fqn for fqn in candidates if _under(fqn, prefix)]
+        try:
+            traced[prefix] = _trace(model if not prefix else scope, prefix, inside, inputs)
+        except Exception as error:  # a forward that cannot run on an example input: fall back to module order
+            failures.append(f"{prefix or 'the model'}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    groups: List[List[str]] = []
+    emitted = set()
+    for fqn in candidates:
+        prefix = next((p for p in traced if _under(fqn, p)), None)
+        if prefix is None:
+            groups.append([fqn])
+        elif prefix not in emitted:
+            emitted.add(prefix)
+            groups.extend(traced[prefix])
+    if traced and all(any(_under(f, p) for p in traced) for f in candidates):
+        return LayerOrder(groups, "traced")
+    if failures:
+        note = "the example forward failed (" + "; ".join(failures) + ")"
+    elif not scopes:
+        note = "no example input to trace the forward (pass example_input, or set example_input_array)"
+    else:
+        note = "layers outside the traced Hugging Face model"
+    return LayerOrder(groups, "module order" if not traced else "partly traced", note)
+
+
+# -- example inputs -----------------------------------------------------------------------------------------------
+def _scopes(model: nn.Module, example_input: Any) -> List[Tuple[str, nn.Module, Any]]:
+    """(prefix, module, inputs) to trace: the model itself, or its top-most Hugging Face submodules."""
+    if example_input is not AUTO and example_input is not None:
+        return [("", model, example_input)]
+    found = _own_example_input(model)
+    if found is not None:
+        return [("", model, found)]
+    scopes: List[Tuple[str, nn.Module, Any]] = []
+    for fqn, module in model.named_modules():
+        if not fqn or any(_under(fqn, p) for p, _, _ in scopes):
+            continue
+        inputs = _hf_example_input(module)
+        if inputs is not None:
+            scopes.append((fqn, module, inputs))
+    return scopes
+
+
+def _own_example_input(module: nn.Module) -> Any:
+    lightning_input = getattr(module, "example_input_array", None)  # LightningModule's convention
+    if lightning_input is not None:
+        return lightning_input
+    return _hf_example_input(module)
+
+
+def _hf_example_input(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """A Hugging Face model's example input, built from its config (no transformers import here)."""
+    config = getattr(module, "config", None)
+    main = getattr(module, "main_input_name", None)
+    if config is None or not isinstance(main, str) or not hasattr(type(module), "dummy_inputs"):
+        return None
+    if main == "pixel_values":
+        size = getattr(config, "image_size", None)
+        channels = getattr(config, "num_channels", 3)
+        if isinstance(size, (list, tuple)):
+            size = size[0]
+        if not isinstance(size, int):
+            return None
+        return {"pixel_values": torch.zeros(1, channels, size, size)}
+    try:
+        inputs = dict(module.dummy_inputs)
+    except Exception:
+        return None
+    if main not in inputs:
+        return None
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" not in inputs and "input_ids" in inputs:
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    return inputs
+
+
+# -- tracing ------------------------------------------------------------------------------------------------------
+def _trace(root: nn.Module, prefix: str, candidates: List[str], inputs: Any) -> List[List[str]]:
+    """Run `root` on `inputs` (meta device first, else a real eval-mode no_grad forward) and group the candidates
+    by the input tensor they receive, in the order they first run."""
+    local = {fqn: fqn[len(prefix) + 1:] if prefix else fqn for fqn in candidates}
+    calls: List[Tuple[str, torch.Tensor]] = []
+
+    def recorder(fqn: str):
+        def hook(module, args, kwargs):
+            if not any(name == fqn for name, _ in calls):
+                x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+                calls.append((fqn, x))  # the tensor is kept alive, so its identity is unique during the trace
+
+        return hook
+
+    handles = [
+        root.get_submodule(name).register_forward_pre_hook(recorder(fqn), with_kwargs=True, prepend=True)
+        for fqn, name in local.items()
+    ]
+    try:
+        with warnings.catch_warnings(), _tensor_attributes_restored(root):
+            warnings.simplefilter("ignore")
+            try:
+                _run_on_meta(root, inputs)
+            except Exception:
+                calls.clear()
+                _run_for_real(root, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: List[List[str]] = []
+    inputs_seen: List[torch.Tensor] = []
+    for fqn, x in calls:
+        index = next((i for i, seen in enumerate(inputs_seen) if seen is x and x is not None), None)
+        if index is None:
+            inputs_seen.append(x)
+            groups.append([fqn])
+        else:
+            groups[index].append(fqn)
+    return groups
+
+
+@contextlib.contextmanager
+def _tensor_attributes_restored(root: nn.Module) -> Iterator[None]:
+    """Put back tensors that forward code stores as plain attributes (the hook-based weight_norm / spectral_norm
+    recompute `module.weight` that way, caches do too), so a traced forward leaves no meta tensor behind."""
+    saved = [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}) for m in root.modules()]
+    try:
+        yield
+    finally:
+        for module, tensors in saved:
+            for key in [k for k, v in module.__dict__.items() if isinstance(v, torch.Tensor) and k not in tensors]:
+                del module.__dict__[key]
+            module.__dict__.update(tensors)
+
+
+def _call(root: nn.Module, inputs: Any, call=None):
+    call = call or root
+    if isinstance(inputs, dict):
+        return call(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return call(*inputs)
+    return call(inputs)
+
+
+def _to(device):
+    return lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
+
+
+def _run_on_meta(root: nn.Module, inputs: Any) -> None:
+    from torch.func import functional_call
+
+    state = {name: torch.empty_like(t, device="meta") for name, t in root.named_parameters(remove_duplicate=False)}
+    state.update({name: torch.empty_like(t, device="meta") for name, t in root.named_buffers(remove_duplicate=False)})
+    meta_inputs = tree_map(_to("meta"), inputs)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        _call(root, meta_inputs, lambda *a, **k: functional_call(root, state, a, k, tie_weights=True, strict=False))
+
+
+def _run_for_real(root: nn.Module, inputs: Any) -> None:
+    tensor = next(iter(root.parameters()), None)
+    if tensor is None:
+        tensor = next(iter(root.buffers()), None)
+    if tensor is not None and tensor.device.type == "meta":
+        raise RuntimeError("the model is on the meta device and its forward cannot run there")
+    device = tensor.device if tensor is not None else torch.device("cpu")
+    modes = [(m, m.training) for m in root.modules()]
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        for m, _ in modes:
+            m.training = False
+        with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
+            _call(root, tree_map(_to(device), inputs))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _under(fqn: str, prefix: str) -> bool:
+    return not prefix or fqn == prefix or fqn.startswith(prefix + ".")
+
+
+__all__ = ["LayerOrder", "layer_order", "AUTO"]

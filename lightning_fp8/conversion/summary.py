@@ -1,0 +1,127 @@
+"""The conversion summary: how much of the model's linear work runs in FP8, what stays in BF16 and why.
+
+Logged once when a model is converted (by `convert_to_fp8`, and by every adapter at fit start through the
+framework's logging), so nobody trains in BF16 believing it is FP8. The measure is linear FLOPs per token: the sum
+of in x out over the linear layers (the same per-token factor multiplies every layer, so the share is the share of
+the model's linear GEMM work). A warning names the module types found when nothing or little converts.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from torch import nn
+
+from lightning_fp8.conversion.convert import LayerPrecision, precision_map
+
+log = logging.getLogger("lightning_fp8")
+
+#: below this share of linear FLOPs in FP8 the summary warns
+LITTLE_FP8_SHARE = 0.5
+#: layer names shown per reason before "(+N more)"
+NAMES_PER_REASON = 4
+
+LEAVING_FP8 = ("The model stays converted after training; lightning_fp8.revert_fp8(model) turns its FP8 layers back "
+               "into the original classes (same Parameters) for inference or export.")
+
+
+@dataclass(frozen=True)
+class ConversionSummary:
+    rows: List[LayerPrecision]
+    module_types: Dict[str, int]  # class name -> count, for modules that hold parameters
+
+    @property
+    def linear_rows(self) -> List[LayerPrecision]:
+        return [r for r in self.rows if r.flops_per_token]
+
+    @property
+    def fp8_flops(self) -> int:
+        return sum(r.flops_per_token for r in self.rows if r.precision == "fp8")
+
+    @property
+    def linear_flops(self) -> int:
+        return sum(r.flops_per_token for r in self.rows)
+
+    @property
+    def fp8_share(self) -> float:
+        return self.fp8_flops / self.linear_flops if self.linear_flops else 0.0
+
+    @property
+    def preview(self) -> bool:
+        return any(r.preview for r in self.rows)
+
+    def text(self) -> str:
+        linear = self.linear_rows
+        n_fp8 = sum(1 for r in linear if r.precision == "fp8")
+        verb = "would run" if self.preview else "run"
+        lines = [
+            f"lightning_fp8: {n_fp8} of {len(linear)} linear layers {verb} in FP8: {self.fp8_share:.1%} of linear "
+            f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
+        ]
+        foreign = [r for r in self.rows if r.precision == "fp8" and r.reason != "converted" and not r.preview]
+        if foreign:
+            lines.append(f"  {len(foreign)} of them converted by another library: {_names([r.fqn for r in foreign])}")
+        by_reason: Dict[str, List[str]] = {}
+        for row in self.rows:
+            if row.precision != "fp8":
+                by_reason.setdefault(row.reason, []).append(row.fqn or "<the model>")
+        if by_reason:
+            lines.append("  kept in BF16:")
+            for reason, names in by_reason.items():
+                lines.append(f"    {_names(names)}: {reason}")
+        if not self.preview:
+            lines.append("  " + LEAVING_FP8)
+        return "\n".join(lines)
+
+    def warning(self) -> Optional[str]:
+        """A warning when nothing or little of the model runs in FP8, naming what the model is made of."""
+        if self.fp8_flops and self.fp8_share >= LITTLE_FP8_SHARE:
+            return None
+        found = ", ".join(f"{name} x{count}" for name, count in self.module_types.items()) or "no module with parameters"
+        if self.fp8_flops:
+            head = f"only {self.fp8_share:.1%} of the linear FLOPs " + ("would run" if self.preview else "run")
+        else:
+            head = "no layer " + ("would run" if self.preview else "runs")
+        return (
+            f"lightning_fp8: {head} in FP8. The model is made of: {found}. FP8 covers linear layers "
+            "(nn.Linear, transformers' Conv1D); convolutions and the other modules run in BF16. "
+            "See precision_map(model) for the reason of every layer."
+        )
+
+
+def conversion_summary(model: nn.Module) -> ConversionSummary:
+    """The summary of a converted model (or, for a model not converted yet, of what conversion would do)."""
+    types: Counter = Counter()
+    for module in model.modules():
+        if any(p is not None for p in module._parameters.values()):
+            types[type(module).__name__] += 1
+    return ConversionSummary(precision_map(model), dict(types.most_common()))
+
+
+def log_conversion_summary(
+    model: nn.Module,
+    info: Optional[Callable[[str], None]] = None,
+    warn: Optional[Callable[[str], None]] = None,
+) -> ConversionSummary:
+    """Log the summary (`info`, default: logger "lightning_fp8" at INFO) and its warning (`warn`, default:
+    warnings.warn), e.g. through a framework's rank-zero logging; returns it."""
+    summary = conversion_summary(model)
+    (info or log.info)(summary.text())
+    message = summary.warning()
+    if message is not None:
+        if warn is None:
+            warnings.warn(message, UserWarning, stacklevel=3)
+        else:
+            warn(message)
+    return summary
+
+
+def _names(names: List[str]) -> str:
+    shown = ", ".join(names[:NAMES_PER_REASON])
+    return shown + (f" (+{len(names) - NAMES_PER_REASON} more)" if len(names) > NAMES_PER_REASON else "")
+
+
+__all__ = ["ConversionSummary", "conversion_summary", "log_conversion_summary", "LITTLE_FP8_SHARE"]
