@@ -87,13 +87,16 @@ class FP8Gemms(torch.autograd.Function):
             weight if ctx.needs_input_grad[0] else None,
             w_scale,
             w_scale_inv,
-            history,
         )
+        # the live state, not a saved value: backward accumulates the gradient's amax into it, and a layer called
+        # twice in one forward (weight sharing) has changed it by then, which a saved tensor's version check rejects
+        ctx.history = history
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_wgrad, x_scale_inv, weight, w_scale, w_scale_inv, history = ctx.saved_tensors
+        x_wgrad, x_scale_inv, weight, w_scale, w_scale_inv = ctx.saved_tensors
+        history = ctx.history
         cfg: GemmConfig = ctx.cfg
         needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         g = grad_out
