@@ -78,7 +78,11 @@ def scaled_cast_reference(
     amax = fast_amax(x) if needs_amax else torch.zeros((), dtype=torch.float32, device=x.device)
     scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
     rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
-    q = quantize(x, scale, fmt, rounding=rounding, noise=noise, generator=generator)
+    if rounding == "nearest" and needs_amax and bool(amax * scale <= fmt.max):
+        # nothing can saturate (a CPU-side check: no device here): quantize without its clamp, the same bytes
+        q = (x.to(torch.float32) * scale).to(fmt.dtype)
+    else:
+        q = quantize(x, scale, fmt, rounding=rounding, noise=noise, generator=generator)
     if record:
         slot = history[role, 0]
         slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN

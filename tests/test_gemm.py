@@ -329,9 +329,10 @@ def test_non_power_of_two_scales_use_the_float32_emulation():
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_fp8_bf16_image_is_exact_for_every_code(fmt):
     codes = torch.arange(256, dtype=torch.uint8).view(fmt)
-    image, exponent = fp8_bf16_image(codes)
-    want = codes.float()
-    got = image.float() * 2.0**exponent
-    assert torch.equal(torch.isnan(got), torch.isnan(want))
-    finite = ~torch.isnan(want)
-    assert torch.equal(got[finite], want[finite])
+    for x in (codes, codes.reshape(16, 16), codes.reshape(16, 16).t()):  # contiguous and transposed layouts
+        image = fp8_bf16_image(x)
+        assert image.dtype == torch.bfloat16 and image.shape == x.shape and image.stride() == x.stride()
+        want, got = x.float(), image.float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite], want[finite])
