@@ -22,11 +22,12 @@ and its fake implementation only has to describe shapes.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 
-from lightning_fp8.kernels import reference, triton_available, triton_enabled_for, use_soft_cast
+from lightning_fp8.kernels import cpu, reference, triton_available, triton_enabled_for, use_soft_cast
 from lightning_fp8.numerics.formats import get_format
 
 SCALINGS = ("delayed", "current", "none")
@@ -191,21 +192,23 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
         out = out.view(f.dtype)
         out_t = out_t.view(f.dtype) if out_t is not None else _empty(x, f.dtype)
         return out, out_t, scale, scale_inv
-    q, scale = reference.scaled_cast_reference(
-        x,
-        history,
-        role,
-        f,
-        scaling,
-        algo_max,
-        margin,
-        power_of_2,
+    args = (x, history, role, f, scaling, algo_max, margin, power_of_2)
+    kwargs = dict(
         noise=noise.reshape(x.shape) if noise is not None else None,
         generator=_generator_from_seed(seed),
         stochastic=seed is not None,
         record=record,
     )
+    if x.device.type == "cpu" and history.device.type == "cpu" and not cpu_reference_forced():
+        q, scale, scale_inv = cpu.scaled_cast_cpu(*args, **kwargs)
+        return q, _empty(x, f.dtype), scale, scale_inv
+    q, scale = reference.scaled_cast_reference(*args, **kwargs)
     return q.contiguous(), _empty(x, f.dtype), scale, scale.reciprocal()
+
+
+def cpu_reference_forced() -> bool:
+    """LIGHTNING_FP8_CPU_REFERENCE=1 runs the torch reference on CPU instead of the CPU kernels (kernels/cpu.py)."""
+    return os.environ.get("LIGHTNING_FP8_CPU_REFERENCE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @scaled_cast_op.register_fake

@@ -11,7 +11,7 @@ import torch
 
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
-from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, step_flags
+from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
 
 
 def cast_reference(
@@ -72,11 +72,16 @@ def scaled_cast_reference(
     recipe, the saturating cast, and (record) this tensor's amax accumulated into the step in progress (slot 0,
     NaN / inf kept raw: closing the step counts them). Returns (x_fp8, scale). `history` is [roles, L+1]."""
     row = history[role]
-    needs_amax = record or scaling == "current" or (
-        scaling == "delayed" and not bool(reference_amax(row, algo_max) > 0)  # CPU-side check: no device here
-    )
+    # CPU-side checks below (bool(...)): there is no device to synchronise with on this path
+    ref = reference_amax(row, algo_max) if scaling == "delayed" else None
+    sized_by_history = ref is not None and bool(ref > 0)
+    needs_amax = record or scaling == "current" or (scaling == "delayed" and not sized_by_history)
     amax = fast_amax(x) if needs_amax else torch.zeros((), dtype=torch.float32, device=x.device)
-    scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
+    if sized_by_history:
+        # cast_scale's answer when the history sizes the scale (its fallbacks unused), in one call
+        scale = scale_from_amax(ref, fmt.max, margin, 1.0, power_of_2)
+    else:
+        scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
     rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
     if rounding == "nearest" and needs_amax and bool(amax * scale <= fmt.max):
         # nothing can saturate (a CPU-side check: no device here): quantize without its clamp, the same bytes

@@ -221,6 +221,43 @@ def test_scaled_cast_op_is_the_numerics_composition(name, monkeypatch):
         assert torch.equal(meta.amax_history[index, 1:], before[1:])
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_cpu_kernels_match_the_reference_bit_for_bit(name, monkeypatch):
+    """kernels/cpu.py (host-side scales, the clamp skipped where nothing saturates) against the torch reference, over
+    training steps with an overflow and a rejected step, evaluation casts and explicit-scale casts."""
+    recipe = RECIPES[name]
+    monkeypatch.setenv("LIGHTNING_FP8_CPU_REFERENCE", "1")
+    ref = _run_casts(recipe, False, monkeypatch)
+    monkeypatch.setenv("LIGHTNING_FP8_CPU_REFERENCE", "0")
+    _assert_runs_equal(ref, _run_casts(recipe, False, monkeypatch))
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current", "none"])
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_cpu_scaled_cast_on_edge_values_and_histories(scaling, power_of_2):
+    from lightning_fp8.kernels.cpu import scaled_cast_cpu
+    from lightning_fp8.kernels.reference import scaled_cast_reference
+
+    for fmt, margin in ((E4M3, 0), (E5M2, 3)):
+        v = edge_values(fmt)
+        x = torch.cat([v, torch.zeros((-v.numel()) % 32)]).reshape(-1, 32)
+        for history_values in ([], [3.0, 11.0, 0.5], [1e-40, 2.0], [3.0e38]):
+            for algo_max in (True, False):
+                for data in (x, x.nan_to_num(0.0, 1.0e3, -1.0e3), torch.randn(16, 32) * 1e-3):
+                    for record in (True, False):
+                        h_ref = torch.zeros(3, 6)
+                        h_ref[1, 1:1 + len(history_values)] = torch.tensor(history_values)
+                        h_cpu = h_ref.clone()
+                        q_ref, s_ref = scaled_cast_reference(data, h_ref, 1, fmt, scaling, algo_max, margin,
+                                                             power_of_2, record=record)
+                        q_cpu, s_cpu, inv_cpu = scaled_cast_cpu(data, h_cpu, 1, fmt, scaling, algo_max, margin,
+                                                                power_of_2, record=record)
+                        assert torch.equal(s_cpu, s_ref), (s_cpu, s_ref, history_values)
+                        assert torch.equal(inv_cpu, s_ref.reciprocal())
+                        assert_same_fp8(q_cpu, q_ref)
+                        assert torch.equal(h_cpu.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
+
+
 def test_close_step_op_is_the_numerics_rule():
     recipe = FP8Recipe(scale_gradients=False, format="e5m2")
     meta = FP8LinearMeta(recipe)
