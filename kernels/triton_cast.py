@@ -26,6 +26,8 @@ is the float order, and every NaN pattern (sign cleared) sorts above +inf, so Na
 Nothing here has run on a GPU yet (the machine this was written on has none): the soft-cast variant was checked
 bit-exactly under the Triton interpreter on CPU; the hardware-cast variant only where the interpreter's own
 fp8 conversion is right. `tests/test_kernels.py -m cuda` is the GPU check.
+
+(Length: one kernel, the JIT helpers only it uses, and its two launchers; splitting them would scatter one kernel.)
 """
 from __future__ import annotations
 
