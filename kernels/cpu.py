@@ -85,7 +85,10 @@ def scaled_cast_cpu(
     scale = host_cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
     rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
     if rounding == "nearest" and needs_amax and float(np.float32(amax) * np.float32(scale)) <= fmt.max:
-        q = (x.to(torch.float32) * scale).to(fmt.dtype)  # nothing saturates: quantize's clamp is the identity
+        # nothing saturates: quantize's clamp is the identity; one float32 buffer, scaled in place
+        y = x.to(torch.float32)
+        y = y.mul_(scale) if y is not x else y * scale
+        q = y.to(fmt.dtype)
     else:
         q = quantize(x, torch.tensor(scale, dtype=torch.float32), fmt, rounding=rounding, noise=noise, generator=generator)
     if record:
