@@ -20,7 +20,7 @@ non-finite a non-finite value originates in the layer: after the engine reports 
            not; `nonfinite_patience` such steps move the layer. (A non-finite value that starts outside every FP8
            layer, e.g. in the data, moves nothing: the engine's skip / rollback handles it.)
 
-Where an anomaly originates (lightning_fp8/callbacks/anomaly.py): one bad layer makes the layers after it overflow
+Where an anomaly originates (lightning_fp8/callbacks/fallback_rules.py): one bad layer makes the layers after it overflow
 in the same step, so every anomaly is attributed to the layer where it starts, and only steps where a layer is the
 origin count against it.
 
@@ -203,7 +203,10 @@ class FP8LayerFallback(StatsConsumer, Callback):
                         continue  # current scaling never clips; unscaled casts are the loss scaler's business
                     fmt = recipe.format_for(role)
                     ratio = state.amax_history[0] * state.scale / fmt.max
-                    ratio = torch.where(state.initialized, ratio, torch.zeros_like(ratio)).reshape(())
+                    # a non-finite amax is not a clip: the engine skips that step and the non-finite rule finds
+                    # the layer where the value starts (downstream layers only see it)
+                    counts = state.initialized & torch.isfinite(ratio)
+                    ratio = torch.where(counts, ratio, torch.zeros_like(ratio)).reshape(())
                     ratios.append(ratio.to(ratios[0].device) if ratios else ratio)
                     keys.append((fqn, role))
         self._ratios = torch.stack(ratios) if ratios else None  # stays on device until the end of the batch
