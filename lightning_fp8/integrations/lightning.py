@@ -79,8 +79,14 @@ class FP8Precision(FP8PrecisionCore, Precision):
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
+        # Lightning runs every training_step inside this context, and manual optimization steps its optimizers
+        # inside training_step: the iteration ends with the context at the latest (see docs/plugin.md)
+        if self.engine.begin_iteration():  # an optimizer stepped after the previous training_step returned
+            self._log_counters(self._module)
         with self._fp8_context(True):
             yield
+        if self.engine.end_iteration():
+            self._log_counters(self._module)
 
     @contextlib.contextmanager
     def val_step_context(self) -> Iterator[None]:
@@ -101,6 +107,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
     def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
         if self.optimizer_state == "fp8":
             optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
+        # every optimizer and LR scheduler of the run: one iteration steps them all, a rollback restores them all
+        self.engine.track(optimizers, [config.scheduler for config in lr_schedulers])
         return model, optimizers, lr_schedulers
 
     def _to_fp8_optimizer(self, optimizer: Optimizer, lr_scheduler_configs: List[Any]) -> Optimizer:
@@ -126,9 +134,9 @@ class FP8Precision(FP8PrecisionCore, Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self.engine.skip_step()  # training_step returned None: Lightning skips backward, nothing to apply
             return None
-        self.engine.unscale_(optimizer)
+        self.engine.unscale_(optimizer)  # the iteration's gradients, once (a second optimizer finds them unscaled)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping on unscaled grads
-        self.engine.step(optimizer, lambda: optimizer.step(**kwargs))
+        self.engine.step(optimizer, lambda: optimizer.step(**kwargs))  # the iteration's decision, for every optimizer
         self._log_counters(model)
         return closure_result
 
@@ -146,6 +154,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
             self.engine.clip_grad_norm_(optimizer, clip_val)
 
     def _log_counters(self, model: Any) -> None:
+        if model is None:
+            return
         log_dict = getattr(model, "log_dict", None)
         trainer = getattr(model, "_trainer", None)
         if log_dict is None or trainer is None:
