@@ -23,9 +23,10 @@ LR = 0.05
 A_LAYERS, B_LAYERS = (0, 2), (4, 6)  # mlp(): linears at 0, 2, 4, 6; 2 and 4 are FP8 (first / last stay BF16)
 
 
-def two_optimizers(net):
+def two_optimizers(net, momentum=0.0):
     params = lambda idx: [p for i in idx for p in net[i].parameters()]
-    return torch.optim.SGD(params(A_LAYERS), lr=LR), torch.optim.SGD(params(B_LAYERS), lr=LR)
+    return (torch.optim.SGD(params(A_LAYERS), lr=LR, momentum=momentum),
+            torch.optim.SGD(params(B_LAYERS), lr=LR, momentum=momentum))
 
 
 class Faults:
@@ -45,18 +46,21 @@ class Faults:
 
 
 class Ledger:
-    """Per iteration: (weights before, gradients after backward, loss scale); checked after the steps."""
+    """Per iteration: (weights before, gradients after backward, loss scale); checked after the steps. `layers`: the
+    layers the steps update (default: all); the others must not move."""
 
     def __init__(self, net):
         self.net, self.rows = net, []
 
-    def before_steps(self, loss_scale):
-        self.pending = [(p.detach().clone(), p.grad.detach().clone(), loss_scale) for p in self.net.parameters()]
+    def before_steps(self, loss_scale, layers=A_LAYERS + B_LAYERS):
+        stepping = {id(p) for i in layers for p in self.net[i].parameters()}
+        self.pending = [(p.detach().clone(), p.grad.detach().clone(), loss_scale, id(p) in stepping)
+                        for p in self.net.parameters()]
 
     def after_steps(self, applied):
         self.rows.append(applied)
-        for p, (before, grad, scale) in zip(self.net.parameters(), self.pending):
-            expected = before.add(grad / scale, alpha=-LR) if applied else before
+        for p, (before, grad, scale, stepping) in zip(self.net.parameters(), self.pending):
+            expected = before.add(grad / scale, alpha=-LR) if applied and stepping else before
             assert torch.equal(p.detach(), expected), (len(self.rows), applied)
 
 
@@ -74,29 +78,39 @@ def check_histories(net, iterations):
 
 # -- Lightning --------------------------------------------------------------------------------------------------------
 class TwoOptimizerModule(L.LightningModule):
-    def __init__(self, kind=None, at=()):
+    """momentum > 0: optimizer state to roll back (the ledger, which assumes plain SGD, is not checked then)."""
+
+    def __init__(self, kind=None, at=(), momentum=0.0, nan_loss_at=None):
         super().__init__()
         self.automatic_optimization = False
         self.net = mlp()
         self.faults = Faults(self.net, kind, at)
         self.ledger = Ledger(self.net)
+        self.momentum, self.nan_loss_at, self.states = momentum, nan_loss_at, {}
 
     def configure_optimizers(self):
-        return list(two_optimizers(self.net))
+        return list(two_optimizers(self.net, self.momentum))
 
     def training_step(self, batch, batch_idx):
         opt_a, opt_b = self.optimizers()
+        self.states[self.faults.i] = [_momenta(opt) for opt in (opt_a, opt_b)]  # after the previous iteration
         x, y = batch
         opt_a.zero_grad()
         opt_b.zero_grad()
-        self.manual_backward(F.mse_loss(self.net(x).float(), y))
+        loss = F.mse_loss(self.net(x).float(), y)
+        self.manual_backward(loss * float("nan") if self.faults.i == self.nan_loss_at else loss)
         self.faults.after_backward(self.net)
         plugin = self.trainer.precision_plugin
         self.ledger.before_steps(plugin.loss_scale)
         opt_a.step()
         opt_b.step()
-        self.ledger.after_steps(applied(plugin.engine.last_result))
+        if not self.momentum:
+            self.ledger.after_steps(applied(plugin.engine.last_result))
         self.faults.i += 1
+
+
+def _momenta(optimizer):
+    return [optimizer.state[p]["momentum_buffer"].clone() for p in optimizer.state if "momentum_buffer" in optimizer.state[p]]
 
 
 def lightning_run(plugin, kind=None, at=(), steps=8):
@@ -129,12 +143,17 @@ def test_lightning_overflow_with_dynamic_loss_scaling_applies_each_gradient_once
 
 
 def test_lightning_snapshots_count_iterations_and_hold_both_optimizers():
-    """snapshot_every (default 50) counts iterations; a rollback restores both optimizers (and the weights)."""
+    """snapshot_every (default 50) counts iterations (before the fix: optimizer steps, so the snapshot of "step 50"
+    was iteration 25's); a rollback at iteration 57 restores both optimizers' state to iteration 50's."""
     plugin = FP8Precision()
     torch.manual_seed(0)
-    model = TwoOptimizerModule()
-    trainer(plugins=[plugin], max_steps=2 * 60, max_epochs=-1).fit(model, loader())
-    assert plugin.engine.step_count == 60 and plugin.engine.snapshot_step == 50
+    model = TwoOptimizerModule(momentum=0.9, nan_loss_at=56)
+    trainer(plugins=[plugin], max_steps=2 * 58, max_epochs=-1).fit(model, loader())
+    assert plugin.engine.step_count == 58 and plugin.engine.snapshot_step == 50
+    assert plugin.rollbacks == 1 and plugin.engine.events[-1]["restored_to_step"] == 50
+    after_rollback, at_50 = model.states[57], model.states[50]
+    assert [len(m) for m in after_rollback] == [4, 4]
+    assert all(torch.equal(a, b) for opt_a, opt_b in zip(after_rollback, at_50) for a, b in zip(opt_a, opt_b))
 
 
 # -- Fabric -----------------------------------------------------------------------------------------------------------
@@ -224,3 +243,109 @@ def test_accelerate_two_prepared_optimizers_decide_once_per_iteration(kind, fres
     assert skipped == [(False, False)] * 2 + [(True, True)] + [(False, False)] * 5
     assert accelerator.fp8_engine.step_count == 8 and accelerator.loss_scale == 128.0 * 2
     check_histories(net, 7)
+
+
+# -- optimizers that step at different rates, two backwards, accumulation ---------------------------------------------
+class StaggeredModule(TwoOptimizerModule):
+    """Optimizer B steps every second iteration and accumulates its gradients over two backwards (zeroed only after
+    it stepped), while the loss scale doubles after every clean iteration (growth_interval=1): B's gradient of the
+    first backward was unscaled by that iteration's decision and must be brought to the new scale before the next
+    backward adds to it. Each backward's contribution to every parameter is recorded by a hook, with its scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.contributions = {id(p): [] for p in self.net.parameters()}
+        for p in self.net.parameters():
+            p.register_hook(lambda g, p=p: self.contributions[id(p)].append(g / self.trainer.precision_plugin.loss_scale))
+        self.rows = []
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        self.rows.append(self.trainer.precision_plugin.loss_scale)  # the scale of this iteration's backward
+        b_steps = batch_idx % 2 == 1
+        x, y = batch
+        opt_a.zero_grad()
+        before = [p.detach().clone() for p in self.net.parameters()]
+        self.manual_backward(F.mse_loss(self.net(x).float(), y))
+        opt_a.step()
+        if b_steps:
+            opt_b.step()
+        b_params = {id(p) for i in B_LAYERS for p in self.net[i].parameters()}
+        for p, w in zip(self.net.parameters(), before):
+            updates = self.contributions[id(p)]
+            if id(p) in b_params and not b_steps:
+                assert torch.equal(p.detach(), w)  # accumulating
+                continue
+            expected = w.add(sum(updates[1:], updates[0]), alpha=-LR)
+            assert torch.equal(p.detach(), expected), (batch_idx, id(p) in b_params)
+            updates.clear()
+        if b_steps:
+            opt_b.zero_grad()
+
+
+def test_lightning_optimizer_stepping_every_second_iteration_accumulates_exactly():
+    plugin = FP8Precision(loss_scaling="dynamic", growth_interval=1)
+    torch.manual_seed(0)
+    model = StaggeredModule()
+    trainer(plugins=[plugin], max_steps=9, max_epochs=-1).fit(model, loader())  # 6 iterations: 6 A steps, 3 B steps
+    assert plugin.engine.step_count == 6 and plugin.skipped_steps == 0
+    assert model.rows == [256.0 * 2**i for i in range(6)]  # the scale changed between every two backwards
+
+
+class TwoBackwardsModule(TwoOptimizerModule):
+    """The GAN pattern: backward of A's loss, step A, backward of B's loss, step B. Two backwards, each followed by
+    its step: two updates, each its own decision. An inf in the second backward's gradients skips B only."""
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        plugin = self.trainer.precision_plugin
+        for opt, scale_b, layers in ((opt_a, False, A_LAYERS), (opt_b, True, B_LAYERS)):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            out = self.net(x).float()
+            self.manual_backward(F.mse_loss(out * 2 if scale_b else out, y))
+            if scale_b:
+                self.faults.after_backward(self.net)
+            self.ledger.before_steps(plugin.loss_scale, layers)
+            opt.step()
+            self.ledger.after_steps(applied(plugin.engine.last_result))
+        self.faults.i += 1
+
+
+def test_lightning_two_backwards_are_two_decisions():
+    plugin = FP8Precision()
+    torch.manual_seed(0)
+    model = TwoBackwardsModule("inf_grad_b", at={2})
+    trainer(plugins=[plugin], max_steps=8, max_epochs=-1).fit(model, loader())
+    assert model.ledger.rows == [True] * 5 + [False] + [True] * 2  # A, B per training step; B skipped in the third
+    assert plugin.engine.step_count == 8 and plugin.skipped_steps == 1
+
+
+class AccumulatingModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.losses = mlp(), []
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]).float(), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_lightning_gradient_accumulation_with_a_changing_loss_scale_is_exact():
+    """accumulate_grad_batches=2 with the loss scale doubling after every iteration: power-of-two scales commute
+    with every rounding on the way (FP8 casts included: delayed gradient scales follow the loss scale), so the run
+    is bit-identical to one without loss scaling."""
+    losses, counts = [], []
+    for kwargs in (dict(loss_scaling="none"), dict(loss_scaling="dynamic", growth_interval=1)):
+        torch.manual_seed(0)
+        model, plugin = AccumulatingModule(), FP8Precision(**kwargs)
+        trainer(plugins=[plugin], max_steps=6, max_epochs=-1, accumulate_grad_batches=2).fit(model, loader())
+        losses.append(model.losses)
+        counts.append((plugin.engine.step_count, plugin.loss_scale))
+    assert losses[0] == losses[1] and len(losses[0]) == 12
+    assert counts == [(6, 1.0), (6, 256.0 * 2**6)]
