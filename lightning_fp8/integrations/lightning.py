@@ -35,21 +35,23 @@ class FP8Precision(FP8PrecisionCore, Precision):
         loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
             Steps with non-finite gradients are skipped in every mode.
         init_loss_scale: the dynamic loss scaler's first scale.
-        growth_interval: clean steps in a row after which the dynamic loss scale doubles.
-        snapshot_every: optimizer steps between snapshots of the last good state, the rollback targets.
-        max_consecutive_skips: skipped steps in a row that trigger a rollback.
+        growth_interval: clean iterations in a row after which the dynamic loss scale doubles.
+        snapshot_every: iterations between snapshots of the last good state, the rollback targets.
+        max_consecutive_skips: skipped iterations in a row that trigger a rollback.
         max_rollbacks: rollbacks allowed within `rollback_window` steps before training stops with an error.
-        rollback_window: the window (optimizer steps) `max_rollbacks` counts over.
+        rollback_window: the window (iterations) `max_rollbacks` counts over.
         spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
-        spike_window: good steps the running mean of the loss covers.
+        spike_window: good iterations the running mean of the loss covers.
         spike_warmup: losses needed before the spike rule can fire.
-        check_weights_every: optimizer steps between checks that every weight is finite.
+        check_weights_every: iterations between checks that every weight is finite.
         optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (Adam/AdamW become FP8AdamW).
         optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
         compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
         fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
+    Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
+    number (docs/plugin.md, "Iterations"); a rollback restores the model, every optimizer and every LR scheduler.
     """
 
     def __init__(
