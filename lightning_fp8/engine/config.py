@@ -16,15 +16,18 @@ class StabilityConfig:
 
     loss_scaling: "auto" | "dynamic" | "none" | float (static scale).
     init_loss_scale / growth_interval: the dynamic scaler starts at init_loss_scale and doubles after growth_interval
-        clean steps in a row.
-    snapshot_every: optimizer steps between snapshots of the last good state (host memory). Smaller loses fewer
-        good steps on a rollback and costs a device-to-host copy of the model and optimizer state more often.
-    max_consecutive_skips: this many skipped steps in a row trigger a rollback.
-    max_rollbacks / rollback_window: more than max_rollbacks rollbacks within rollback_window steps stop training.
+        clean iterations in a row.
+    snapshot_every: iterations between snapshots of the last good state (host memory). Smaller loses fewer good
+        iterations on a rollback and copies the model and optimizer state to the host more often.
+    max_consecutive_skips: this many skipped iterations in a row trigger a rollback.
+    max_rollbacks / rollback_window: more than max_rollbacks rollbacks within rollback_window iterations stop
+        training; max_rollbacks=0 turns rollback (and so snapshots) off.
     spike_factor: roll back when the loss exceeds spike_factor x its running mean (None: off); the mean is over the
-        last spike_window good steps, and the rule waits for spike_warmup of them.
-    check_weights_every: optimizer steps between checks that every weight is finite (one norm pass and one
+        last spike_window good iterations, and the rule waits for spike_warmup of them.
+    check_weights_every: iterations between checks that every weight is finite (one norm pass and one
         device-to-host copy each).
+
+    An iteration is one backward (or several, accumulated) and a step of every optimizer (engine.py).
     """
 
     loss_scaling: LossScaling = "auto"

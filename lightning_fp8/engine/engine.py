@@ -1,53 +1,73 @@
 """FP8TrainingEngine: the stability machinery every adapter (Lightning, Fabric, Accelerate) drives.
 
-Where a step is skipped, where a run is rolled back, where scales are updated after a step: all here. Adapters
-translate their framework's hooks into four calls per optimizer step:
+Skips, rollbacks and scale updates happen once per training **iteration**, whatever the number of optimizers: the
+backward(s) that produced the gradients, then one step of each optimizer. Adapters translate their hooks into:
 
-    engine.attach(model)                        once, after conversion
-    loss = engine.scale_loss(loss)              before backward (also records the unscaled loss)
-    engine.unscale_(optimizer)                  before clipping (idempotent within a step)
-    result = engine.step(optimizer, step_fn)    instead of optimizer.step()
+    engine.attach(model)                          once, after conversion
+    engine.track(optimizers, lr_schedulers)       the framework's complete sets (Lightning's connect), or
+    engine.register_optimizer / _lr_scheduler     one at a time (Accelerate's prepare; Fabric at a first step)
+    engine.begin_iteration()                      before a training forward (closes the previous iteration)
+    loss = engine.scale_loss(loss)                before a backward (closes a decided iteration first)
+    engine.unscale_(optimizer)                    before clipping (each gradient is unscaled once per iteration)
+    result = engine.step(optimizer, step_fn)      instead of optimizer.step()
+    engine.end_iteration()                        at the framework's end of an iteration, before a checkpoint
 
-`step` decides, in this order: skip the update if gradients, the loss or an FP8 amax were non-finite (for every
-loss-scaling mode, including "none"); update the loss scale; all-reduce amaxes and update every layer's scales; check
-the weights; roll back to the last snapshot when the loss or weights went non-finite, after too many consecutive
-skips, or on a loss spike; take a snapshot every `snapshot_every` good steps. Too many rollbacks in a window raise
-FP8DivergenceError naming the layers whose amax overflowed.
+The first `step` of an iteration decides for all its optimizers: unscale every gradient the iteration produced (the
+model's and every registered optimizer's; gradients.py), check them, the loss and the FP8 amaxes, all-reduce the
+flags once, then step or skip; the other optimizers reuse the decision. The iteration closes once, when every
+registered optimizer has stepped or at the next boundary above: loss-scale update, every layer's scaling step closed
+(taken or not), the iteration counted, the weights checked, a snapshot every `snapshot_every` iterations
+(rollback.py says when its parts are taken). An optimizer stepping after the close with no forward or backward in
+between joins the closed iteration's decision (Fabric's first iteration, before the engine knows every optimizer).
+
+Rollback to the last snapshot happens at the decision for a non-finite loss, a loss spike or too many skips in a row
+(every optimizer of the iteration then skips), and at the close when a step made the weights non-finite; too many
+rollbacks in a window raise FP8DivergenceError naming the layers whose amax overflowed. What an iteration is in each
+framework and what a rollback restores: docs/plugin.md. (Length: one state machine, the iteration; the parts that
+stand alone live in gradients.py, checks.py, rollback.py and snapshot.py.)
 """
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
-from lightning_fp8.engine import clipping
-from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine import clipping, rollback
+from lightning_fp8.engine.checks import LossRecord, weights_finite
 from lightning_fp8.engine.config import StabilityConfig
+from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine.gradients import GradientUnscaler, iteration_params
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
+from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, SnapshotKeeper
 from lightning_fp8.engine.scales import ModelScales
-from lightning_fp8.engine.snapshot import Snapshot
+from lightning_fp8.engine.snapshot import optimizer_params
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
 
 
-class FP8DivergenceError(RuntimeError):
-    """Training kept diverging after the allowed number of rollbacks."""
-
-
 @dataclass
 class StepResult:
+    """The decision of one iteration, shared by every optimizer of it (`rolled_back` may be set when it closes)."""
+
     stepped: bool
     skipped_reason: Optional[str] = None
     rolled_back: bool = False
     rollback_reason: Optional[str] = None
     overflow_layers: List[str] = field(default_factory=list)
+    iteration: int = 0
+
+    @property
+    def applied(self) -> bool:
+        """The iteration's updates are in the weights (stepped and not undone by a rollback)."""
+        return self.stepped and not self.rolled_back
 
 
 class FP8TrainingEngine:
@@ -64,28 +84,36 @@ class FP8TrainingEngine:
         self.scaler = LossScaler(mode, init_scale=self.config.init_loss_scale, growth_interval=self.config.growth_interval)
         self.model: Optional[nn.Module] = None
         self.layers: Dict[str, FP8Linear] = {}
+        self.scales = ModelScales({})
         self.optimizers: List[torch.optim.Optimizer] = []
-        # counters (public through the adapters)
+        self.lr_schedulers: List[Any] = []
+        #: the framework handed over every LR scheduler it holds (`track`): no warning at a rollback without one
+        self.lr_schedulers_complete = False
+        # counters (public through the adapters); all count iterations
         self.skipped_steps = 0
         self.rollbacks = 0
         self.step_count = 0
         self.consecutive_skips = 0
-        #: (fqn.role) -> number of steps in which that tensor's amax overflowed; names layers in errors
+        #: (fqn.role) -> number of iterations in which that tensor's amax overflowed; names layers in errors
         self.overflow_events: Counter = Counter()
         #: chronological record of skips and rollbacks for loggers and the report
         self.events: List[Dict[str, Any]] = []
-        self._rollback_steps: Deque[int] = deque()
-        self._loss_window: Deque[float] = deque(maxlen=self.config.spike_window)
-        self._snapshot: Optional[Snapshot] = None
-        self.scales = ModelScales({})
-        self._losses: List[torch.Tensor] = []
-        self._unscaled: set = set()
-        self._grads_nonfinite = False
         self.last_result: Optional[StepResult] = None
+        self._budget = RollbackBudget(self.config)
+        self._snapshots = SnapshotKeeper(enabled=self.config.max_rollbacks > 0)
+        self._loss = LossRecord(self.config)
+        self._grads = GradientUnscaler(self.scaler)
+        self._grads_nonfinite = False
+        self._decision: Optional[StepResult] = None  # the open iteration's, once its first optimizer stepped
+        self._overflow = False  # the open iteration's overflow flag for the loss scaler
+        self._stepped: List[int] = []  # ids of the optimizers the open iteration has stepped (or skipped)
+        self._joinable: Optional[StepResult] = None  # the iteration closed last, for optimizers that step late
+        self._joined: set = set()
+        self._warned_no_scheduler = False
 
     # -- setup --------------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
-        """Adopt a converted model: the engine now syncs and updates its FP8 scales once per optimizer step."""
+        """Adopt a converted model: the engine now syncs and updates its FP8 scales once per iteration."""
         self.model = model
         self.layers = fp8_layers(model)
         for layer in self.layers.values():
@@ -93,43 +121,93 @@ class FP8TrainingEngine:
         self.scales = ModelScales(self.layers)
         # a loss-scale change scales every gradient amax by the same factor: delayed gradient scales follow it
         self.scaler.on_change = self.scales.rescale_gradient_history
+        self._snapshots.drop()  # another model: the next decision takes a fresh snapshot
 
     def resync(self) -> None:
         """Take the layers' overflow counters as the baseline (after attaching, or after loading FP8 state from a
         checkpoint), so only overflows that happen from now on count against a step."""
         self.scales.resync()
 
-    def _register(self, optimizer: torch.optim.Optimizer) -> None:
-        if not any(opt is optimizer for opt in self.optimizers):
-            self.optimizers.append(optimizer)
+    def track(self, optimizers: Sequence[torch.optim.Optimizer], lr_schedulers: Sequence[Any] = ()) -> None:
+        """The framework's complete set of optimizers and LR schedulers for a training run (Lightning's `connect`):
+        a fresh run, so the pending iteration and the snapshot of an earlier one are dropped."""
+        self._reset_iteration()
+        self.optimizers = []
+        self.lr_schedulers = []
+        self._snapshots.drop()
+        for opt in optimizers:
+            self.register_optimizer(opt)
+        for scheduler in lr_schedulers:
+            self.register_lr_scheduler(scheduler)
+        self.lr_schedulers_complete = True
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step, skip and roll back `optimizer` with the others. One the engine meets late (Fabric: at its first step)
+        has not stepped before, so its state now is its state at the current snapshot's step: it joins the snapshot."""
+        if any(opt is optimizer for opt in self.optimizers):
+            return
+        self.optimizers.append(optimizer)
+        self._snapshots.optimizer_joined(optimizer)
+
+    def register_lr_scheduler(self, scheduler: Any) -> None:
+        """Restore `scheduler` with the optimizers on a rollback. Register before training: the current snapshot takes
+        its state as it is now."""
+        if any(s is scheduler for s in self.lr_schedulers):
+            return
+        self.lr_schedulers.append(scheduler)
+        self._snapshots.scheduler_joined(scheduler)
 
     def replace_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
         self.optimizers = [new if opt is old else opt for opt in self.optimizers]
+        self._snapshots.drop()
 
-    # -- per step -----------------------------------------------------------------------------------------------
+    # -- iteration boundaries -------------------------------------------------------------------------------------
+    def begin_iteration(self) -> bool:
+        """Before a training forward: close the previous iteration (True if one was open), end its window for late
+        optimizers, and complete the last snapshot with the LR schedules the framework has stepped since."""
+        closed = self.end_iteration()
+        self._joinable = None
+        self._snapshots.complete(self, self.step_count)
+        return closed
+
+    def end_iteration(self) -> bool:
+        """Close the open iteration if it has decided (True if one was closed): the framework's end of an iteration,
+        or before a checkpoint is taken."""
+        if self._decision is None:
+            return False
+        self._close()
+        return True
+
+    # -- per iteration ------------------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    @property
+    def snapshot_step(self) -> Optional[int]:
+        """The iteration a rollback would return to now (None before the first decision, or with max_rollbacks=0)."""
+        return self._snapshots.step
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        self._losses.append(loss.detach())
+        """Record the loss and scale it for backward. A backward after a decision starts a new iteration."""
+        self.begin_iteration()
+        self._grads.before_backward()
+        self._loss.record(loss)
         return self.scaler.scale_loss(loss)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale this optimizer's gradients in place and note whether any is non-finite (once per step)."""
-        if id(optimizer) in self._unscaled:
-            return
-        self._unscaled.add(id(optimizer))
-        found_inf = self.scaler.unscale_and_check(_grads(optimizer))
-        self._grads_nonfinite |= bool(found_inf.item())
+    def unscale_(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Unscale the iteration's gradients in place (each once) and note whether any is non-finite."""
+        if optimizer is not None:
+            self.register_optimizer(optimizer)
+        self._grads_nonfinite |= self._grads.unscale(iteration_params(self.model, self.optimizers))
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, parameters: Optional[Sequence[torch.Tensor]] = None
     ) -> torch.Tensor:
         """Clip the unscaled gradients of `optimizer` (or of `parameters`, a subset of its parameters) to a global
-        L2 norm of max_norm, the norm computed in float32; a non-finite norm marks the step to be skipped."""
+        L2 norm of max_norm, the norm computed in float32; a non-finite norm marks the iteration to be skipped."""
         self.unscale_(optimizer)
-        grads = _grads(optimizer) if parameters is None else [p.grad for p in parameters if p.grad is not None]
+        grads = [p.grad for p in (optimizer_params(optimizer) if parameters is None else parameters) if p.grad is not None]
         norm = clipping.clip_grad_norm_(grads, max_norm)
         if not torch.isfinite(norm):
             self._grads_nonfinite = True
@@ -139,23 +217,46 @@ class FP8TrainingEngine:
         self, optimizer: torch.optim.Optimizer, clip_value: float, parameters: Optional[Sequence[torch.Tensor]] = None
     ) -> None:
         self.unscale_(optimizer)
-        grads = _grads(optimizer) if parameters is None else [p.grad for p in parameters if p.grad is not None]
+        grads = [p.grad for p in (optimizer_params(optimizer) if parameters is None else parameters) if p.grad is not None]
         clipping.clip_grad_value_(grads, clip_value)
 
     def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> StepResult:
-        """Apply (or skip) one optimizer step and run the post-step stability logic."""
-        self._register(optimizer)
-        if self._snapshot is None and self.model is not None:
-            self._take_snapshot()  # the state before the first step is a valid rollback target
-        self.unscale_(optimizer)
+        """Apply or skip `optimizer`'s step under the iteration's decision (made here by its first optimizer)."""
+        self.register_optimizer(optimizer)
+        key = id(optimizer)
+        if self._decision is not None and key in self._stepped:
+            self._close()  # the same optimizer again, with no backward in between: a new iteration
+        if self._decision is None:
+            if self._joinable is not None and key not in self._joined:
+                return self._join_late(optimizer, step_fn)
+            self._joinable = None
+            self._decide()
+        result = self._decision
+        self._stepped.append(key)
+        if result.applied:
+            self._apply(step_fn)
+        if all(id(opt) in self._stepped for opt in self.optimizers):
+            self._close()
+        return result
+
+    def skip_step(self) -> None:
+        """An optimizer step whose backward never ran (Lightning: the training step returned None): nothing to
+        decide; the losses recorded since the last iteration are dropped with the gradients Lightning drops."""
+        self._loss.clear()
+
+    # -- the decision -------------------------------------------------------------------------------------------
+    def _decide(self) -> None:
+        iteration = self.step_count + 1
+        self._snapshots.ensure(self, self.step_count)  # the state before the first step is a valid rollback target
+        self.unscale_()
         overflow_layers = self._new_overflows()
-        loss_value = self._step_loss()
+        loss_value = self._loss.value()
         loss_nonfinite = loss_value is not None and not torch.isfinite(loss_value).item()
-        spike = self._is_spike(loss_value) if not loss_nonfinite else False
+        spike = self._loss.is_spike(loss_value) if not loss_nonfinite else False
         flags = torch.tensor(
             [float(self._grads_nonfinite), float(loss_nonfinite), float(bool(overflow_layers)), float(spike)]
         )
-        all_reduce_max_([flags])
+        all_reduce_max_([flags])  # every rank makes the same decision
         grads_bad, loss_bad, amax_bad, spike = (bool(f) for f in flags.tolist())
 
         skip_reason = None
@@ -167,47 +268,65 @@ class FP8TrainingEngine:
             skip_reason = "FP8 amax overflow in " + ", ".join(overflow_layers) if overflow_layers else "FP8 amax overflow on another rank"
         elif spike:
             skip_reason = "loss spike"
-        result = StepResult(stepped=skip_reason is None, skipped_reason=skip_reason, overflow_layers=overflow_layers)
-        self.step_count += 1
+        result = StepResult(skip_reason is None, skip_reason, overflow_layers=overflow_layers, iteration=iteration)
+        self._decision, self._stepped, self.last_result = result, [], result
+        self._overflow = grads_bad or amax_bad or loss_bad
         if result.stepped:
-            step_fn()
             self.consecutive_skips = 0
-        else:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            self._event("skip", skip_reason, overflow_layers)
-            log.info("lightning_fp8: step %d skipped (%s)", self.step_count, skip_reason)
-        self.scaler.update(overflow=grads_bad or amax_bad or loss_bad)
-        self.scales.close_step(taken=result.stepped)
-
-        rollback_reason = None
+            self._loss.hold(loss_value)
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self._event("skip", skip_reason, overflow_layers, iteration)
+        log.info("lightning_fp8: step %d skipped (%s)", iteration, skip_reason)
         if loss_bad:
-            rollback_reason = "non-finite loss"
+            self._rollback("non-finite loss", result)
         elif spike:
-            rollback_reason = f"loss spike above {self.config.spike_factor}x its running mean"
+            self._rollback(f"loss spike above {self.config.spike_factor}x its running mean", result)
         elif self.consecutive_skips >= self.config.max_consecutive_skips:
-            rollback_reason = f"{self.consecutive_skips} consecutive skipped steps"
-        elif result.stepped and self._weights_due() and not self._weights_finite():
-            rollback_reason = "non-finite weights"
-        if rollback_reason is not None:
-            self._rollback(rollback_reason)
-            result.rolled_back, result.rollback_reason = True, rollback_reason
-        elif result.stepped:
-            if loss_value is not None:
-                self._loss_window.append(float(loss_value))
-            if self.step_count % self.config.snapshot_every == 0 and self._weights_finite():
-                self._take_snapshot()
-        self._end_step()
-        self.last_result = result
+            self._rollback(f"{self.consecutive_skips} consecutive skipped steps", result)
+
+    def _apply(self, step_fn: Callable[[], Any]) -> None:
+        self._snapshots.fence()  # the step updates in place what a snapshot copy may still be reading
+        step_fn()
+
+    def _join_late(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> StepResult:
+        result = self._joinable
+        self._joined.add(id(optimizer))
+        if result.applied:
+            self._apply(step_fn)
+            self._snapshots.stepped_late(self.step_count)
         return result
 
-    def skip_step(self) -> None:
-        """End a step whose backward never ran (e.g. the training step returned None): nothing to apply."""
-        self._end_step()
+    # -- closing an iteration -----------------------------------------------------------------------------------
+    def _close(self) -> None:
+        result, self._decision = self._decision, None
+        self.step_count += 1
+        if not result.rolled_back:  # a rollback set the loss scale already
+            self.scaler.update(overflow=self._overflow)
+        self.scales.close_step(taken=result.applied)
+        if result.applied:
+            snapshot_due = self.step_count % self.config.snapshot_every == 0
+            if (self._weights_due() or snapshot_due) and not self.weights_finite():
+                self._rollback("non-finite weights", result)
+            else:
+                self._loss.accept()
+                if snapshot_due:  # copies overlap the next iteration's forward and backward
+                    self._snapshots.take(self, self.step_count, complete=False)
+        self._joinable, self._joined = result, set(self._stepped)
+        self._stepped = []
+        self._loss.clear()
+        self._grads_nonfinite = False
+
+    def _reset_iteration(self) -> None:
+        self._decision, self._stepped, self._joinable, self._joined = None, [], None, set()
+        self._loss.clear()
+        self._grads_nonfinite = False
+        self._grads.forget()
 
     # -- scales -------------------------------------------------------------------------------------------------
     def update_scales(self) -> None:
-        """Close a scaling step outside `step` (calibration does, once per calibration batch)."""
+        """Close a scaling step outside an iteration (calibration does, once per calibration batch)."""
         self.scales.close_step(taken=True)
 
     def _new_overflows(self) -> List[str]:
@@ -216,78 +335,47 @@ class FP8TrainingEngine:
         return overflowed
 
     # -- checks -------------------------------------------------------------------------------------------------
-    def _step_loss(self) -> Optional[torch.Tensor]:
-        if not self._losses:
-            return None
-        return torch.stack([loss.float().reshape(()) for loss in self._losses]).mean().cpu()
-
-    def _is_spike(self, loss_value: Optional[torch.Tensor]) -> bool:
-        factor = self.config.spike_factor
-        if factor is None or loss_value is None or len(self._loss_window) < min(self.config.spike_warmup, self._loss_window.maxlen):
-            return False
-        mean = sum(self._loss_window) / len(self._loss_window)
-        return float(loss_value) > factor * mean
-
     def _weights_due(self) -> bool:
         return self.step_count % self.config.check_weights_every == 0
 
-    @torch.no_grad()
-    def _weights_finite(self) -> bool:
-        if self.model is None:
-            return True
-        params = [p for p in self.model.parameters()]
-        if not params:
-            return True
-        device = params[0].device
-        norms = torch._foreach_norm(params)
-        all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
-        flag = (~all_finite).float().reshape(1).cpu()  # one device-to-host transfer
-        all_reduce_max_([flag])
-        return flag.item() == 0.0
+    def weights_finite(self) -> bool:
+        return weights_finite(self.model)
 
     # -- rollback -----------------------------------------------------------------------------------------------
-    def _take_snapshot(self) -> None:
-        self._snapshot = Snapshot(self.step_count, self.model, self.optimizers, {"scaler": self.scaler.state_dict()})
+    def snapshot_extra(self) -> Dict[str, Any]:
+        """The engine's own state a snapshot holds."""
+        return {"scaler": self.scaler.state_dict()}
 
-    def _rollback(self, reason: str) -> None:
-        window_start = self.step_count - self.config.rollback_window
-        while self._rollback_steps and self._rollback_steps[0] <= window_start:
-            self._rollback_steps.popleft()
-        if len(self._rollback_steps) >= self.config.max_rollbacks:
-            raise FP8DivergenceError(self._divergence_message(reason))
-        self._rollback_steps.append(self.step_count)
+    def _rollback(self, reason: str, result: StepResult) -> None:
+        iteration = result.iteration
+        if not self._budget.admit(iteration):
+            raise FP8DivergenceError(rollback.divergence_message(self.config, reason, iteration, self.overflow_events))
         self.rollbacks += 1
-        restored_to = self._snapshot.step if self._snapshot is not None else None
-        if self._snapshot is not None:
-            extra = self._snapshot.restore(self.model, self.optimizers)
+        result.rolled_back, result.rollback_reason = True, reason
+        restored_to, missing, extra = self._snapshots.restore(self, self.step_count)
+        if restored_to is not None:
             self.scaler.load_state_dict(extra["scaler"])
+            if missing:
+                warnings.warn(f"lightning_fp8: the rollback snapshot holds no state for {missing}: left as they are")
+            self._warn_if_no_scheduler()
         self.scaler.backoff()
+        self.scales.discard_open_step()  # the restored state is between iterations
         self.consecutive_skips = 0
         self.resync()  # the counters were restored with the model's buffers
-        self._event("rollback", reason, [], restored_to_step=restored_to)
+        self._event("rollback", reason, [], iteration, restored_to_step=restored_to)
         log.warning(
             "lightning_fp8: rolled back at step %d to the snapshot of step %s (%s); loss scale now %g",
-            self.step_count, restored_to, reason, self.scaler.scale,
+            iteration, restored_to, reason, self.scaler.scale,
         )
 
-    def _divergence_message(self, reason: str) -> str:
-        layers = ", ".join(f"{name} ({n} steps)" for name, n in self.overflow_events.most_common(10))
-        return (
-            f"lightning_fp8: training diverged: {self.config.max_rollbacks} rollbacks within "
-            f"{self.config.rollback_window} steps (latest at step {self.step_count}: {reason}). "
-            f"Layers whose FP8 amax overflowed: {layers or 'none recorded'}. "
-            "Consider keeping these layers in BF16 (FP8Recipe(skip_patterns=...) or FP8LayerFallback), a larger "
-            "FP8Recipe(margin=...), current scaling, or a lower learning rate."
-        )
+    def _warn_if_no_scheduler(self) -> None:
+        if not (self.lr_schedulers or self.lr_schedulers_complete or self._warned_no_scheduler):
+            self._warned_no_scheduler = True
+            warnings.warn(rollback.NO_SCHEDULER_WARNING, UserWarning)
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
-    def _end_step(self) -> None:
-        self._losses.clear()
-        self._unscaled.clear()
-        self._grads_nonfinite = False
-
-    def _event(self, kind: str, reason: Optional[str], layers: Sequence[str], **extra: Any) -> None:
-        self.events.append({"step": self.step_count, "kind": kind, "reason": reason, "layers": list(layers), **extra})
+    def _event(self, kind: str, reason: Optional[str], layers: Sequence[str], step: int, **extra: Any) -> None:
+        self.events.append({"step": step, "kind": kind, "reason": reason, "layers": list(layers), **extra})
 
     def metrics(self) -> Dict[str, float]:
         return {
@@ -297,6 +385,7 @@ class FP8TrainingEngine:
         }
 
     def state_dict(self) -> Dict[str, Any]:
+        """The engine's state between iterations (callers close the open iteration first: `end_iteration`)."""
         return {
             "recipe": self.recipe.to_dict(),
             "scaler": self.scaler.state_dict(),
@@ -305,8 +394,8 @@ class FP8TrainingEngine:
             "step_count": self.step_count,
             "consecutive_skips": self.consecutive_skips,
             "overflow_events": dict(self.overflow_events),
-            "rollback_steps": list(self._rollback_steps),
-            "loss_window": list(self._loss_window),
+            "rollback_steps": list(self._budget.steps),
+            "loss_window": list(self._loss.window),
             "events": list(self.events),
         }
 
@@ -317,11 +406,9 @@ class FP8TrainingEngine:
         self.step_count = int(state["step_count"])
         self.consecutive_skips = int(state["consecutive_skips"])
         self.overflow_events = Counter(state.get("overflow_events", {}))
-        self._rollback_steps = deque(state.get("rollback_steps", []))
-        self._loss_window = deque(state.get("loss_window", []), maxlen=self.config.spike_window)
+        self._budget.load(state.get("rollback_steps", []))
+        self._loss.load(state.get("loss_window", []))
         self.events = list(state.get("events", []))
-        self._snapshot = None  # a fresh snapshot is taken at the next step
+        self._reset_iteration()
+        self._snapshots.drop()  # a fresh snapshot is taken at the next decision
 
-
-def _grads(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -70,6 +70,14 @@ class ModelScales:
         torch._foreach_add_([m.clip_count for m in metas], list(clip.to(torch.int64).unbind(0)))
 
     @torch.no_grad()
+    def discard_open_step(self) -> None:
+        """Clear the open slot of every history (after a rollback: the restored state is between iterations, and the
+        amaxes recorded by the rejected one must leave no trace)."""
+        if self.layers:
+            for history in self._histories():
+                history[:, 0].zero_()
+
+    @torch.no_grad()
     def rescale_gradient_history(self, factor: float) -> None:
         """Multiply the gradient amaxes (the open step's and the completed ones) by `factor`: the loss scale changed by
         it, and so will every gradient's amax; delayed gradient scales then stay sized for the gradients to come."""

@@ -88,10 +88,20 @@ class FP8PrecisionCore:
     def forward_context(self):
         return self._fp8_context(True)
 
+    @contextlib.contextmanager
+    def _model_forward_context(self, training: bool, fp8: bool) -> Iterator[None]:
+        """Around a forward of the trained model: a training forward starts an iteration (the engine closes the
+        previous one before this forward records amaxes); an evaluation forward records nothing and leaves it open."""
+        if training:
+            self.engine.begin_iteration()
+        with self._fp8_context(fp8):
+            yield
+
     # -- checkpoint state ---------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Engine state (loss scaler, counters, events) and every FP8 layer's metadata (`fp8_state_dict`), which the
-        model's own state_dict leaves out."""
+        model's own state_dict leaves out. An open iteration is closed first: a checkpoint holds whole iterations."""
+        self.engine.end_iteration()
         state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
         if self._module is not None:
             state["fp8_meta"] = fp8_state_dict(self._module)

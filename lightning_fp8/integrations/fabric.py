@@ -6,10 +6,17 @@ error_if_nonfinite=False: a non-finite norm then skips the step instead of raisi
 through the engine, which skips non-finite steps and rolls back. Save the plugin with your checkpoint
 (`fabric.save(path, {"model": m, "optimizer": o, "fp8": plugin})`) to resume with the loss scaler, the counters and
 every layer's FP8 metadata (scales, amax histories), which the model's own state_dict leaves out.
+
+What Fabric shows a precision plugin, and so where an iteration starts and ends: a forward of the set-up model in
+training mode (`forward_context`) and a backward (`pre_backward`) start one; the optimizers' steps
+(`optimizer_step`) decide it, and it ends when every optimizer the engine knows has stepped, or at the next of those
+boundaries, or at `fabric.save` (`state_dict`). Fabric never hands the plugin its optimizers or LR schedulers: the
+engine meets each optimizer at its first step (then it joins the rollback snapshot with the state it had before that
+step), and LR schedulers must be registered (`plugin.register_lr_scheduler(scheduler)`) to roll back with them.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -59,6 +66,17 @@ class FP8Precision(FP8PrecisionCore, Precision):
                 "lightning_fp8.fabric.FP8Precision(optimizer_state='fp8') is not supported: Fabric sets up the "
                 "optimizer you build, so build lightning_fp8.optim.FP8AdamW directly."
             )
+
+    def register_lr_scheduler(self, *schedulers: Any) -> None:
+        """Restore these LR schedulers with the model and the optimizers on a rollback. Fabric does not show the
+        plugin the schedulers it sets up, so register each one, before training (without any, a rollback warns once
+        that the schedule did not roll back)."""
+        for scheduler in schedulers:
+            self.engine.register_lr_scheduler(scheduler)
+
+    def forward_context(self) -> ContextManager:
+        # every forward of the set-up module runs inside it: a training one starts an iteration
+        return self._model_forward_context(self._module is not None and self._module.training, True)
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
         return self.engine.scale_loss(tensor)

@@ -35,21 +35,23 @@ class FP8Precision(FP8PrecisionCore, Precision):
         loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
             Steps with non-finite gradients are skipped in every mode.
         init_loss_scale: the dynamic loss scaler's first scale.
-        growth_interval: clean steps in a row after which the dynamic loss scale doubles.
-        snapshot_every: optimizer steps between snapshots of the last good state, the rollback targets.
-        max_consecutive_skips: skipped steps in a row that trigger a rollback.
+        growth_interval: clean iterations in a row after which the dynamic loss scale doubles.
+        snapshot_every: iterations between snapshots of the last good state, the rollback targets.
+        max_consecutive_skips: skipped iterations in a row that trigger a rollback.
         max_rollbacks: rollbacks allowed within `rollback_window` steps before training stops with an error.
-        rollback_window: the window (optimizer steps) `max_rollbacks` counts over.
+        rollback_window: the window (iterations) `max_rollbacks` counts over.
         spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
-        spike_window: good steps the running mean of the loss covers.
+        spike_window: good iterations the running mean of the loss covers.
         spike_warmup: losses needed before the spike rule can fire.
-        check_weights_every: optimizer steps between checks that every weight is finite.
+        check_weights_every: iterations between checks that every weight is finite.
         optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (Adam/AdamW become FP8AdamW).
         optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
         compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
         fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
+    Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
+    number (docs/plugin.md, "Iterations"); a rollback restores the model, every optimizer and every LR scheduler.
     """
 
     def __init__(
@@ -79,8 +81,14 @@ class FP8Precision(FP8PrecisionCore, Precision):
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
+        # Lightning runs every training_step inside this context, and manual optimization steps its optimizers
+        # inside training_step: the iteration ends with the context at the latest (see docs/plugin.md)
+        if self.engine.begin_iteration():  # an optimizer stepped after the previous training_step returned
+            self._log_counters(self._module)
         with self._fp8_context(True):
             yield
+        if self.engine.end_iteration():
+            self._log_counters(self._module)
 
     @contextlib.contextmanager
     def val_step_context(self) -> Iterator[None]:
@@ -101,6 +109,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
     def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
         if self.optimizer_state == "fp8":
             optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
+        # every optimizer and LR scheduler of the run: one iteration steps them all, a rollback restores them all
+        self.engine.track(optimizers, [config.scheduler for config in lr_schedulers])
         return model, optimizers, lr_schedulers
 
     def _to_fp8_optimizer(self, optimizer: Optimizer, lr_scheduler_configs: List[Any]) -> Optimizer:
@@ -126,9 +136,9 @@ class FP8Precision(FP8PrecisionCore, Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self.engine.skip_step()  # training_step returned None: Lightning skips backward, nothing to apply
             return None
-        self.engine.unscale_(optimizer)
+        self.engine.unscale_(optimizer)  # the iteration's gradients, once (a second optimizer finds them unscaled)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping on unscaled grads
-        self.engine.step(optimizer, lambda: optimizer.step(**kwargs))
+        self.engine.step(optimizer, lambda: optimizer.step(**kwargs))  # the iteration's decision, for every optimizer
         self._log_counters(model)
         return closure_result
 
@@ -146,6 +156,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
             self.engine.clip_grad_norm_(optimizer, clip_val)
 
     def _log_counters(self, model: Any) -> None:
+        if model is None:
+            return
         log_dict = getattr(model, "log_dict", None)
         trainer = getattr(model, "_trainer", None)
         if log_dict is None or trainer is None:

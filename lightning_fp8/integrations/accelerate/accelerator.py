@@ -8,11 +8,15 @@ FP8TrainingEngine calls (the same engine the Lightning and Fabric plugins drive)
 
     prepare(model)            convert_to_fp8 in place (Parameters reused: optimizer references stay valid),
                               forward wrapped in torch.autocast(compute dtype) + fp8_autocast, engine.attach
-    prepare(optimizer)        an AcceleratedOptimizer whose step() goes through engine.step (skip / rollback);
+    prepare(optimizer)        registered with the engine (one iteration steps every prepared optimizer); an
+                              AcceleratedOptimizer whose step() goes through engine.step (skip / rollback);
                               optimizer_state="fp8" swaps torch Adam/AdamW for FP8AdamW first
+    prepare(scheduler)        registered with the engine: a rollback restores it with the optimizers
+    training forward          engine.begin_iteration (closes the previous iteration)
     backward(loss)            engine.scale_loss
     clip_grad_norm_/value_    engine.unscale_ first, clip on unscaled gradients (norm in fp32)
-    save_state/load_state     layer metadata is in the model state_dict; engine state is a registered object
+    save_state/load_state     the open iteration is closed first; engine state and every layer's FP8 metadata are a
+                              registered object (checkpoint.py)
 
 When mixed precision does not resolve to "fp8" the class is `accelerate.Accelerator`, unchanged.
 
@@ -164,7 +168,8 @@ class FP8AcceleratorMixin:
         model = core.convert_module(model)
         self._fp8_model = model
         fp8_eval = core.fp8_eval
-        wrap_forward(model, lambda training: core._fp8_context(training or fp8_eval))
+        # a training forward starts an iteration (the engine closes the previous one before amaxes are recorded)
+        wrap_forward(model, lambda training: core._model_forward_context(training, training or fp8_eval))
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
@@ -175,6 +180,7 @@ class FP8AcceleratorMixin:
             optimizer = self._to_fp8_optimizer(optimizer)
         if device_placement is None:
             device_placement = self.device_placement
+        core.engine.register_optimizer(optimizer)  # every prepared optimizer steps in one iteration, rolls back together
         prepared = FP8AcceleratedOptimizer(optimizer, core.engine, device_placement=device_placement)
         self._optimizers.append(prepared)
         return prepared
@@ -199,7 +205,15 @@ class FP8AcceleratorMixin:
 
             for old, new in self._fp8_swapped_optimizers:
                 rebind_lr_schedulers([scheduler], old, new)
-        return super().prepare_scheduler(scheduler)
+        prepared = super().prepare_scheduler(scheduler)
+        if self._fp8_core is not None:
+            self._fp8_core.engine.register_lr_scheduler(scheduler)  # restored with the optimizers on a rollback
+        return prepared
+
+    def save_state(self, *args: Any, **kwargs: Any):
+        if self._fp8_core is not None:
+            self._fp8_core.engine.end_iteration()  # the checkpoint holds whole iterations
+        return super().save_state(*args, **kwargs)
 
     # -- backward, unscale, clip ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

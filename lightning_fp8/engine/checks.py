@@ -1,0 +1,71 @@
+"""What an iteration's decision checks besides its gradients: the loss (non-finite, or a spike above its running
+mean) and, after the step, the weights. The engine (engine.py) decides what to do with the answers."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_fp8.engine.config import StabilityConfig
+from lightning_fp8.engine.distributed import all_reduce_max_
+
+
+class LossRecord:
+    """The losses of the open iteration (one per backward) and the running window of good iterations' losses."""
+
+    def __init__(self, config: StabilityConfig) -> None:
+        self.config = config
+        self.window: Deque[float] = deque(maxlen=config.spike_window)
+        self._losses: List[torch.Tensor] = []
+        self._pending: Optional[float] = None
+
+    def record(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    def clear(self) -> None:
+        self._losses.clear()
+
+    def value(self) -> Optional[torch.Tensor]:
+        """The iteration's loss (mean over its backwards) on the host, or None without a backward."""
+        if not self._losses:
+            return None
+        return torch.stack([loss.float().reshape(()) for loss in self._losses]).mean().cpu()
+
+    def is_spike(self, value: Optional[torch.Tensor]) -> bool:
+        factor = self.config.spike_factor
+        if factor is None or value is None or len(self.window) < min(self.config.spike_warmup, self.window.maxlen):
+            return False
+        return float(value) > factor * (sum(self.window) / len(self.window))
+
+    def hold(self, value: Optional[torch.Tensor]) -> None:
+        """The decided iteration's loss, to join the window if its update is kept (`accept` at the close)."""
+        self._pending = float(value) if value is not None else None
+
+    def accept(self) -> None:
+        if self._pending is not None:
+            self.window.append(self._pending)
+        self._pending = None
+
+    def load(self, window: Sequence[float]) -> None:
+        self.window = deque(window, maxlen=self.config.spike_window)
+
+
+@torch.no_grad()
+def weights_finite(model: Optional[nn.Module]) -> bool:
+    """Every parameter of `model` is finite on every rank (one fused norm, one host copy, one collective)."""
+    if model is None:
+        return True
+    params = [p for p in model.parameters()]
+    if not params:
+        return True
+    device = params[0].device
+    norms = torch._foreach_norm(params)
+    all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
+    flag = (~all_finite).float().reshape(1).cpu()  # one device-to-host transfer
+    all_reduce_max_([flag])
+    return flag.item() == 0.0
+
+
+__all__ = ["LossRecord", "weights_finite"]
