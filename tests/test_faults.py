@@ -150,11 +150,13 @@ def test_single_fault_is_survived(clean, kind, skipped, rollbacks):
     if kind == "overflow":
         assert events[0]["layers"] == ["net.2.input"]
     # the schedule: Lightning steps its schedulers after every batch, a skipped one too (as with its own AMP); a
-    # rollback restores them to the snapshot's iteration, and the rejected batch then counts as a skipped one
+    # rollback restores them to the snapshot's iteration, and the batch after it trains with the schedule's LR at the
+    # restored iteration, exactly as the clean run's batch after that iteration did
     if rollbacks:
         restored = events[-1]["restored_to_step"]
         assert restored == step // 50 * 50  # the default interval
-        shift = step - restored  # the iterations the rollback undid in the schedule
+        assert lrs[step + 1] == schedule_lr(restored)
+        shift = step + 1 - restored  # the iterations the rollback undid in the schedule
         assert [lrs[i] for i in range(step + 1, STEPS)] == [schedule_lr(i - shift) for i in range(step + 1, STEPS)]
     else:
         assert [lrs[i] for i in range(STEPS)] == [schedule_lr(i) for i in range(STEPS)]

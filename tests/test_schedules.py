@@ -102,10 +102,10 @@ def fabric_run(register, scheduler_steps_always=True):
         plugin.register_lr_scheduler(scheduler)
     lrs = []
     for i, (x, y) in enumerate(batches()):
-        lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad()
         fabric.backward(poison(i, F.mse_loss(model(x).float(), y), model))
         inject_inf(i, net)
+        lrs.append(optimizer.param_groups[0]["lr"])  # the LR this iteration's step uses
         optimizer.step()
         scheduler.step()  # a plain loop steps the scheduler after every iteration, skipped or not
     return plugin, lrs
@@ -116,8 +116,8 @@ def test_fabric_registered_scheduler_rolls_back():
         warnings.simplefilter("error")  # no "no LR scheduler" warning once one is registered
         plugin, lrs = fabric_run(register=True)
     assert (plugin.skipped_steps, plugin.rollbacks) == (2, 1)
-    # the loop steps the scheduler after the skip too; after the rollback it continues from iteration 50 + 1
-    expected = [schedule_lr(i) for i in range(NAN_AT + 1)] + [schedule_lr(50 + i - NAN_AT) for i in range(NAN_AT + 1, STEPS)]
+    # the loop steps the scheduler after the skip too; after the rollback it continues from iteration 50, exactly
+    expected = [schedule_lr(i) for i in range(NAN_AT + 1)] + [schedule_lr(50 + i - NAN_AT - 1) for i in range(NAN_AT + 1, STEPS)]
     assert lrs == expected
 
 
@@ -126,4 +126,6 @@ def test_fabric_warns_once_when_a_rollback_has_no_scheduler_to_restore():
         plugin, lrs = fabric_run(register=False)
     assert plugin.rollbacks == 1
     assert sum("no LR scheduler" in str(w.message) for w in caught) == 1
-    assert lrs[NAN_AT + 1] != schedule_lr(51)  # the schedule did not roll back: what the warning says
+    # the schedule did not roll back (what the warning says): after the rollback the LRs leave the restored schedule
+    restored = [schedule_lr(50 + i - NAN_AT - 1) for i in range(NAN_AT + 1, STEPS)]
+    assert lrs[NAN_AT + 1 :] != restored

@@ -10,6 +10,9 @@
 - the LR schedulers and the optimizers' hyperparameters (learning rates) join that snapshot at the start of the
   next iteration (`complete`): frameworks step schedulers after the optimizers, so an iteration's schedule is final
   only then;
+- after a rollback, the schedule is written back once more at the start of the next iteration: frameworks step
+  their schedulers after the rejected iteration too (Lightning after every batch, a Fabric loop after its step), and
+  the run must continue from the snapshot's schedule, not one step past it;
 - an optimizer the engine meets late (Fabric: at its first step) joins the snapshot with its state before that
   step, which is its state at the snapshot's iteration since it never stepped before. When it steps after the close
   that took a snapshot, that snapshot is taken again at the start of the next iteration (after checking the weights
@@ -54,6 +57,7 @@ class SnapshotKeeper:
         self.snapshot: Optional[Snapshot] = None
         self._schedules_due = False  # the LR schedules join at the start of the next iteration
         self._stale = False  # an optimizer stepped after the close that took the snapshot
+        self._reapply_schedules = False  # a rollback happened: the schedule goes back again at the next start
 
     @property
     def step(self) -> Optional[int]:
@@ -61,7 +65,7 @@ class SnapshotKeeper:
 
     def drop(self) -> None:
         """Forget the snapshot (a new run, another model, a loaded checkpoint): the next decision takes a fresh one."""
-        self.snapshot, self._schedules_due, self._stale = None, False, False
+        self.snapshot, self._schedules_due, self._stale, self._reapply_schedules = None, False, False, False
 
     def take(self, state: TrainingState, step: int, complete: bool) -> None:
         if not self.enabled or state.model is None:
@@ -79,7 +83,11 @@ class SnapshotKeeper:
 
     def complete(self, state: TrainingState, step: int) -> None:
         """At the start of an iteration: add the schedules the framework stepped after the last close, or take the
-        snapshot again if an optimizer stepped after it."""
+        snapshot again if an optimizer stepped after it; after a rollback, write the snapshot's schedule back again
+        (the framework stepped its schedulers for the rejected iteration)."""
+        if self._reapply_schedules:
+            self._reapply_schedules = False
+            self.snapshot.restore_schedules(state.optimizers, state.lr_schedulers)
         if self._stale:
             self._stale = False
             if state.weights_finite():  # the late step's weights were never checked
@@ -112,6 +120,7 @@ class SnapshotKeeper:
             return None, [], {}
         self.complete(state, step)  # (normally done: a decision or close always follows the start of an iteration)
         missing = self.snapshot.restore(state.model, state.optimizers, state.lr_schedulers)
+        self._reapply_schedules = True
         return self.snapshot.step, missing, self.snapshot.extra
 
 

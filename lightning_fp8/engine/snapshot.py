@@ -153,6 +153,20 @@ class Snapshot:
                 record.groups = _groups(opt)
         self._schedulers = {id(s): copy.deepcopy(s.state_dict()) for s in schedulers}
 
+    def restore_schedules(self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]) -> None:
+        """Write back only the schedule: the LR schedulers' states and the optimizers' hyperparameters (after a
+        rollback, once the framework has stepped its schedulers for the rejected iteration)."""
+        for opt in optimizers:
+            record = self._optimizers.get(id(opt))
+            if record is not None:
+                for group, saved in zip(opt.param_groups, record.groups):
+                    for name, value in saved.items():
+                        group[name] = copy.deepcopy(value)
+        for scheduler in schedulers:
+            state = self._schedulers.get(id(scheduler))
+            if state is not None:
+                scheduler.load_state_dict(copy.deepcopy(state))
+
     def _optimizer_record(self, prefix: Key, opt: torch.optim.Optimizer, copies: list) -> _OptimizerRecord:
         groups = _groups(opt)
         states: List[Optional[Dict[str, Any]]] = []

@@ -79,6 +79,13 @@ class FP8Precision(FP8PrecisionCore, Precision):
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
 
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
+    def convert_input(self, data: Any) -> Any:
+        # Lightning converts each training batch before the batch's callbacks run (LearningRateMonitor logs there):
+        # the earliest point where the plugin sees a new iteration, so the schedule a rollback restored is already
+        # back in place when anything reads it (evaluation batches pass here too: nothing is open then)
+        self.engine.begin_iteration()
+        return super().convert_input(data)
+
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
         # Lightning runs every training_step inside this context, and manual optimization steps its optimizers
