@@ -26,6 +26,7 @@ from lightning_fp8 import FP8Linear, FP8Recipe
 from lightning_fp8.modules.gemm import (
     FP8EmulationWarning,
     _scaled_mm_applies,
+    _bf16_gemm,
     _scaled_mm_gemm,
     emulated_gemm,
     fp8_bf16_image,
@@ -299,8 +300,9 @@ def test_bf16_emulation_rounds_once_like_scaled_mm(fmt, with_bias):
     exact = (a.double() @ b.double()) * (sa.double() * sb.double())
     if with_bias:
         exact = exact + bias.double()
-    out = emulated_gemm(a, sa, b, sb, torch.bfloat16, bias)
+    out = _bf16_gemm(a, sa, b, sb, bias)  # the BF16 path itself, whether or not this CPU picks it (gemm.py)
     assert torch.equal(out, exact.to(torch.bfloat16))
+    assert torch.equal(emulated_gemm(a, sa, b, sb, torch.bfloat16, bias), out)  # the path this CPU picks
     assert torch.equal(out, emulated_gemm(a, sa, b, sb, torch.float32, bias).to(torch.bfloat16))
     if with_bias:
         twice = ((a.double() @ b.double()) * (sa.double() * sb.double())).to(torch.bfloat16).double() + bias.double()
@@ -311,7 +313,7 @@ def test_bf16_emulation_on_random_operands_differs_from_float32_only_by_summatio
     a = quantize(torch.randn(128, 512) * 40, torch.tensor(1.0), E4M3)
     b = quantize(torch.randn(512, 96) * 40, torch.tensor(1.0), E4M3)
     sa, sb = torch.tensor(2.0**-4), torch.tensor(0.5)
-    fast = emulated_gemm(a, sa, b, sb, torch.bfloat16).float()
+    fast = _bf16_gemm(a, sa, b, sb, None).float()
     ref = emulated_gemm(a, sa, b, sb, torch.float32)
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
     assert ((fast - ref).abs() <= ulp).all()  # within one bf16 rounding of the float32 result

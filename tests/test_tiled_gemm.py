@@ -68,7 +68,8 @@ def test_reference_is_the_exact_product_up_to_float32_accumulation(a_tile, b_til
 @pytest.mark.parametrize("a_tile,b_tile", CASES, ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fast_emulation_equals_the_definition_on_exactly_accumulable_operands(a_tile, b_tile, out_dtype, with_bias):
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-gemm", "fp32-gemm"])
+def test_fast_emulation_equals_the_definition_on_exactly_accumulable_operands(a_tile, b_tile, out_dtype, with_bias, bf16):
     """FP8 values on a 1/8 grid and scales that are powers of two: every partial sum is exact in float32, so the
     fast emulation (dequantize to BF16, one GEMM) and the per-K-block definition must agree bit for bit, bias and
     the single rounding included."""
@@ -79,7 +80,7 @@ def test_fast_emulation_equals_the_definition_on_exactly_accumulable_operands(a_
     sa = 2.0 ** torch.randint(-1, 1, tuple(_grid(a_tile, a.shape)), generator=g).float()
     sb = 2.0 ** torch.randint(-1, 1, tuple(_grid(b_tile, b.shape)), generator=g).float()
     bias = torch.randn(40, generator=g).bfloat16().float() if with_bias else None
-    fast = emulated_tiled_gemm(a, sa, a_tile, b, sb, b_tile, out_dtype, bias)
+    fast = emulated_tiled_gemm(a, sa, a_tile, b, sb, b_tile, out_dtype, bias, bf16=bf16)
     ref = tiled_gemm_reference(a, sa, a_tile, b, sb, b_tile, out_dtype, bias)
     assert fast.dtype == out_dtype and torch.equal(fast, ref)
     assert torch.equal(ref, _exact(a, sa, a_tile, b, sb, b_tile, bias).to(out_dtype))
@@ -92,9 +93,10 @@ def _grid(tile, shape):
 
 
 @pytest.mark.parametrize("a_tile,b_tile", CASES[:3], ids=str)
-def test_fast_emulation_on_random_operands_differs_only_by_summation_order(a_tile, b_tile):
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-gemm", "fp32-gemm"])
+def test_fast_emulation_on_random_operands_differs_only_by_summation_order(a_tile, b_tile, bf16):
     a, sa, b, sb = _operands(128, 512, 96, a_tile, b_tile, seed=5)
-    fast = emulated_tiled_gemm(a, sa, a_tile, b, sb, b_tile, torch.bfloat16).float()
+    fast = emulated_tiled_gemm(a, sa, a_tile, b, sb, b_tile, torch.bfloat16, bf16=bf16).float()
     ref = tiled_gemm_reference(a, sa, a_tile, b, sb, b_tile, torch.float32)
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
     assert ((fast - ref).abs() <= ulp).all()  # within one bf16 rounding of the float32 definition

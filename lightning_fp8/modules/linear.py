@@ -62,6 +62,9 @@ class FP8Layer(nn.Module):
         self._fp8_enabled = True
         #: why the layer is not in FP8 (None while it is); set by fallback logic
         self.fp8_disabled_reason: Optional[str] = None
+        #: why the layer's scaling was made finer than its conversion recipe's (None while it was not); set by
+        #: FP8LayerFallback's escalation, shown in the precision map
+        self.fp8_escalation_reason: Optional[str] = None
         #: False when an engine syncs and updates the scales (once per optimizer step, after an amax all-reduce)
         self.autoupdate_scales = True
         #: optional callable(role, tensor) called with each high-precision operand before its cast (observability

@@ -12,7 +12,8 @@ bias, rounded once. Backends, fastest first:
 - emulation: each operand dequantized (its FP8 values times its tile scales) and one GEMM with float32
   accumulation. With power-of-two scales (the default) every dequantized value is exact in BF16 and every product
   exact in float32, so this differs from the per-K-block definition only in summation order (a test checks both);
-  on CPU it then runs as a BF16 GEMM for a BF16 output. Scales that are not powers of two run the per-K-block
+  on a CPU with hardware BF16 (AVX512-BF16 / AMX) it then runs as a BF16 GEMM for a BF16 output, elsewhere in
+  float32 (`gemm.cpu_has_native_bf16`). Scales that are not powers of two run the per-K-block
   definition itself on CPU (exact semantics, slow), and a float32 dequantization on CUDA (each dequantized value
   rounded once more, docs/numerics.md).
 
@@ -26,7 +27,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from lightning_fp8.modules.gemm import FP8EmulationWarning, fp8_bf16_image, resolve_backend
+from lightning_fp8.modules.gemm import FP8EmulationWarning, cpu_has_native_bf16, fp8_bf16_image, resolve_backend
 from lightning_fp8.numerics.tiles import exact_in_bf16, expand_tiles, tile_extent, tiled_gemm_reference
 
 Tensor = torch.Tensor
@@ -95,11 +96,17 @@ def dequantized(x: Tensor, scale_inv: Tensor, tile: Sequence[int], dtype: torch.
     return image * expand_tiles(scale_inv.to(dtype), tile, x.shape)
 
 
-def emulated_tiled_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None) -> Tensor:
-    """The tiled FP8 GEMM without FP8 tensor cores (module docstring): dequantize, one GEMM, round once."""
+def emulated_tiled_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None,
+                        bf16: Optional[bool] = None) -> Tensor:
+    """The tiled FP8 GEMM without FP8 tensor cores (module docstring): dequantize, one GEMM, round once.
+
+    bf16: run the CPU's BF16 GEMM (True) or a float32 one (False) for a BF16 output with exact scales; default: BF16
+    where the CPU has it in hardware. The same result up to summation order either way (tests run both)."""
     if a.device.type == "cpu" and not (exact_in_bf16(a_scale_inv) and exact_in_bf16(b_scale_inv)):
         return tiled_gemm_reference(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias)
-    if out_dtype == torch.bfloat16 and a.device.type == "cpu":
+    if bf16 is None:
+        bf16 = cpu_has_native_bf16()
+    if out_dtype == torch.bfloat16 and a.device.type == "cpu" and bf16:
         # every dequantized value exact in BF16; this CPU's BF16 GEMMs accumulate in float32 and round once, and
         # addmm adds the bias before that rounding (tests/test_gemm.py proves both for the per-tensor emulation)
         a16, b16 = dequantized(a, a_scale_inv, a_tile, torch.bfloat16), dequantized(b, b_scale_inv, b_tile, torch.bfloat16)
