@@ -2,42 +2,15 @@
 BF16 only if that does not help; every move logged with its reason, kept in checkpoints, in the precision map."""
 import logging
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Precision, FP8Recipe, fp8_layers, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback
 from lightning_fp8.callbacks.fallback_escalation import escalation_target
-from lightning_fp8.demo.gpt import GPTConfig
-from lightning_fp8.demo.module import CharGPTModule
-
-OUTLIER = 7
-
-
-def plant_outlier(layer, channel=OUTLIER, factor=1e6):
-    """One input channel of `layer` multiplied by `factor` ("massive activations"), its weight column held at zero so
-    that the channel changes nothing in exact arithmetic: BF16 trains as without it; a per-tensor FP8 scale sized for
-    it flushes the layer's other input channels to zero."""
-    with torch.no_grad():
-        layer.weight[:, channel] = 0.0
-
-    def scale(module, args):
-        x = args[0].clone()
-        x[..., channel] = x[..., channel] * factor
-        return (x,)
-
-    def keep_zero(grad):
-        grad = grad.clone()
-        grad[:, channel] = 0.0
-        return grad
-
-    layer.register_forward_pre_hook(scale)
-    layer.weight.register_hook(keep_zero)
-
+from lightning_fp8.demo.planted import PLANTED_LAYER, fit_planted, plant_outlier
 
 class PlantedRegression(RegressionModule):
     def __init__(self):
@@ -108,46 +81,8 @@ def test_escalation_is_kept_in_checkpoints_and_in_the_precision_map(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# A GPT run with a planted x1e6 channel, default callbacks
+# A GPT run with a planted x1e6 channel, default callbacks (lightning_fp8/demo/planted.py)
 # -------------------------------------------------------------------------------------------------------------------
-VOCAB, CONTEXT, STEPS = 48, 32, 90
-
-
-def _data(seed):
-    g = torch.Generator().manual_seed(1234)
-    # a learnable sequence: a noisy walk over the vocabulary, so the loss falls well below uniform
-    steps = torch.randint(-2, 3, (60_000,), generator=g)
-    ids = torch.cumsum(steps, 0).remainder(VOCAB)
-    gb = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - CONTEXT - 1, (STEPS, 16), generator=gb)
-    train = [(torch.stack([ids[s: s + CONTEXT] for s in row]), torch.stack([ids[s + 1: s + CONTEXT + 1] for s in row]))
-             for row in starts.tolist()]
-    val_starts = list(range(0, 16 * 997, 997))
-    val = [(torch.stack([ids[s: s + CONTEXT] for s in val_starts]), torch.stack([ids[s + 1: s + CONTEXT + 1] for s in val_starts]))]
-    return train, val
-
-
-class PlantedGPT(CharGPTModule):
-    """The demo's char-GPT (2 blocks, d_model 32, MLP 512 wide: small GEMMs) with a x1e6 channel planted in the input of
-    blocks.0.fc2 (512 inputs: four 1x128 tiles)."""
-
-    def __init__(self):
-        super().__init__(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=2, n_heads=2, mlp_ratio=16), lr=3e-3,
-                         max_steps=STEPS, warmup_steps=10)
-        plant_outlier(self.model.blocks[0].fc2)
-
-
-def _fit(seed, **kwargs):
-    L.seed_everything(seed, verbose=False)
-    module = PlantedGPT()
-    train, val = _data(seed)
-    t = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, val_check_interval=STEPS, check_val_every_n_epoch=None,
-                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  num_sanity_val_steps=0, **kwargs)
-    t.fit(module, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
-    return module, module.val_losses[-1]
-
-
 def test_planted_outlier_layer_and_only_it_is_escalated_and_the_run_matches_bf16():
     """Default FP8Precision and FP8LayerFallback(): blocks.0.fc2 (512 inputs, one x1e6) flushes ~99.8% of its input
     under per-tensor scaling; the flush rule (default 50%) escalates it to blockwise at the third check (step 30);
@@ -155,12 +90,13 @@ def test_planted_outlier_layer_and_only_it_is_escalated_and_the_run_matches_bf16
     within 1% of the BF16 run's on the same seed (benchmarks/results/escalation.md: BF16 seed spread over 3 seeds
     and the gap of each, with and without the fallback)."""
     fallback = FP8LayerFallback()
-    fp8, fp8_val = _fit(0, plugins=[FP8Precision()], callbacks=[fallback])
-    _, bf16_val = _fit(0, precision="bf16-mixed")
-    assert list(fallback.escalations) == ["model.blocks.0.fc2"] and not fallback.fallbacks
-    assert fallback.escalations["model.blocks.0.fc2"]["rule"] == "underflow"
+    fp8, fp8_val = fit_planted(0, plugins=[FP8Precision()], callbacks=[fallback])
+    _, bf16_val = fit_planted(0, precision="bf16-mixed")
+    assert list(fallback.escalations) == [PLANTED_LAYER] and not fallback.fallbacks
+    assert fallback.escalations[PLANTED_LAYER]["rule"] == "underflow"
+    assert fallback.escalations[PLANTED_LAYER]["step"] == 30
     layers = fp8_layers(fp8)
-    assert layers["model.blocks.0.fc2"].recipe.scaling == "blockwise"
+    assert layers[PLANTED_LAYER].recipe.scaling == "blockwise" and layers[PLANTED_LAYER].fp8_enabled
     assert all(layer.recipe.scaling == "delayed" and layer.fp8_enabled
-               for fqn, layer in layers.items() if fqn != "model.blocks.0.fc2")
+               for fqn, layer in layers.items() if fqn != PLANTED_LAYER)
     assert abs(fp8_val - bf16_val) / bf16_val < 0.01, (fp8_val, bf16_val)
