@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import sqnr_db
 from helpers import DispatchCount, RegressionModule, loader, trainer
-from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, fp8_state_dict
+from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, fp8_state_dict, precision_map
 from lightning_fp8.demo.gpt import GPT, GPTConfig
 from lightning_fp8.engine import FP8TrainingEngine
 
@@ -265,3 +265,53 @@ def test_recipe_validation_names_the_choices():
     assert FP8Recipe(scaling="rowwise").format == "e4m3" and FP8Recipe().format == "hybrid"
     assert FP8Recipe(scaling="blockwise", format="hybrid").format_for("grad_output").name == "e5m2"
     assert FP8Recipe.from_dict(FP8Recipe(scaling="blockwise", block_size=64).to_dict()).block_size == 64
+
+
+# -- per-layer recipes ----------------------------------------------------------------------------------------------
+def _small_gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, context=16, d_model=64, n_layers=2, n_heads=2))
+
+
+def test_layer_recipes_give_matching_layers_their_recipe():
+    """Attention projections rowwise, the rest per-tensor: `layer.recipe` is each layer's, the precision map says it."""
+    rowwise = FP8Recipe(scaling="rowwise")
+    model = convert_to_fp8(_small_gpt(), FP8Recipe(), layer_recipes={"*.qkv": rowwise, "*.proj": rowwise})
+    layers = fp8_layers(model)
+    assert {fqn: layer.recipe.scaling for fqn, layer in layers.items()} == {
+        "blocks.0.proj": "rowwise", "blocks.0.fc1": "delayed", "blocks.0.fc2": "delayed",
+        "blocks.1.qkv": "rowwise", "blocks.1.proj": "rowwise", "blocks.1.fc1": "delayed", "blocks.1.fc2": "delayed",
+    }  # blocks.0.qkv: the first linear, kept in BF16 by the model's recipe whatever its pattern says
+    assert layers["blocks.1.qkv"].recipe is rowwise
+    rows = {r.fqn: r for r in precision_map(model)}
+    assert rows["blocks.1.qkv"].scaling == "rowwise" and rows["blocks.1.fc1"].scaling == "delayed"
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx).float().sum().backward()
+    assert all(layer.weight.grad is not None for layer in layers.values())
+    # first match wins; a pattern that matches nothing is most likely a typo
+    model = convert_to_fp8(_small_gpt(), layer_recipes=[("blocks.1.*", rowwise), ("*", FP8Recipe(scaling="blockwise"))])
+    assert {layer.recipe.scaling for fqn, layer in fp8_layers(model).items() if fqn.startswith("blocks.1")} == {"rowwise"}
+    assert fp8_layers(model)["blocks.0.fc1"].recipe.scaling == "blockwise"
+    with pytest.warns(UserWarning, match="'\\*.attention.\\*' matches no converted layer"):
+        convert_to_fp8(_small_gpt(), layer_recipes={"*.attention.*": rowwise})
+
+
+def test_layer_recipes_are_validated_where_written():
+    with pytest.raises(TypeError, match="must be an FP8Recipe"):
+        convert_to_fp8(_small_gpt(), layer_recipes={"*": "rowwise"})
+    with pytest.raises(TypeError, match="pattern must be a str"):
+        FP8Precision(layer_recipes={3: FP8Recipe()})
+    with pytest.raises(TypeError, match="must map name patterns"):
+        FP8Precision(layer_recipes=["*.qkv"])
+
+
+def test_layer_recipes_through_the_lightning_plugin():
+    torch.manual_seed(0)
+    model = RegressionModule()
+    plugin = FP8Precision(layer_recipes={"net.4": FP8Recipe(scaling="blockwise", block_size=32)})
+    trainer(plugins=[plugin], max_steps=3).fit(model, loader())
+    layers = fp8_layers(model)
+    assert layers["net.4"].recipe.scaling == "blockwise" and layers["net.2"].recipe.scaling == "delayed"
+    assert layers["net.4"].fp8_meta.amax_history[:, 1].gt(0).all()  # recorded and closed by the engine
+    assert all(torch.isfinite(torch.tensor(model.losses)))
