@@ -11,8 +11,8 @@ import torch
 
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
-from lightning_fp8.numerics.tiles import quantize_tiles
 from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
+from lightning_fp8.numerics.tiles import quantize_tiles
 
 
 def cast_reference(

@@ -215,7 +215,8 @@ def test_te_recipe_mapping_and_autocast(fake_te):
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
     cur = te_backend.te_recipe(FP8Recipe(scaling="current", format="e4m3"))
     assert type(cur).__name__ == "Float8CurrentScaling" and cur.fp8_format == fake_te.Format.E4M3
-    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False)):
+    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False),
+                FP8Recipe(scaling="rowwise"), FP8Recipe(scaling="blockwise")):
         with pytest.raises(ValueError, match="cannot express"):
             te_backend.te_recipe(bad)
     te_backend._warned.clear()
