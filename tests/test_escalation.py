@@ -83,6 +83,7 @@ def test_escalation_is_kept_in_checkpoints_and_in_the_precision_map(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 # A GPT run with a planted x1e6 channel, default callbacks (lightning_fp8/demo/planted.py)
 # -------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_planted_outlier_layer_and_only_it_is_escalated_and_the_run_matches_bf16():
     """Default FP8Precision and FP8LayerFallback(): blocks.0.fc2 (512 inputs, one x1e6) flushes ~99.8% of its input
     under per-tensor scaling; the flush rule (default 50%) escalates it to blockwise at the third check (step 30);
