@@ -42,7 +42,7 @@ travels with the precision plugin's state), so a resumed run has the same precis
 Under DDP the per-rank observations are combined with one MAX all-reduce per step, so every rank makes the same
 decision.
 
-(Length: this file is the callback's hook plumbing, switching, events and checkpoint state, plus the rules' user
+(Length: this file is the callback's hook plumbing, switching and escalating, events and checkpoint state, plus the rules' user
 documentation above; the rule logic itself is in fallback_rules.py.)
 """
 from __future__ import annotations
