@@ -4,6 +4,10 @@ Same model, seed, data order and fixed validation set for both; LR warms up then
 constant-LR comparisons of short runs are noise). Several seeds, so the gap is reported next to the seed spread.
 
     python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]
+    python benchmarks/convergence.py --recipes rowwise blockwise --out benchmarks/results/convergence_finegrained
+
+With --recipes, each seed runs BF16 once and FP8 once per recipe (the demo's --recipe scalings), all on the same
+seed, data order and validation set.
 """
 from __future__ import annotations
 
@@ -25,7 +29,11 @@ def main() -> None:
     parser = build_parser(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/convergence")
+    parser.add_argument("--recipes", nargs="+", default=None, choices=["delayed", "current", "rowwise", "blockwise"],
+                        help="FP8 scalings to compare with BF16 (default: the preset's recipe only)")
     args = parser.parse_args()
+    if args.recipes:
+        return compare_recipes(args)
     warnings.simplefilter("ignore")
     import logging
 
@@ -70,6 +78,64 @@ def main() -> None:
             f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {r['fp8_val_loss']:.4f} | {r['relative_gap']:+.2%} | {r['fp8_skipped_steps']} | {r['fp8_rollbacks']} |\n")
         f.write(f"\nmean gap {summary['mean_relative_gap']:+.2%} (sd {summary['sd_relative_gap']:.2%} over seeds); "
                 f"bf16 seed-to-seed spread (relative sd of val loss) {summary['bf16_seed_spread_relative_sd']:.2%}\n")
+    print(open(args.out + ".md").read())
+
+
+def compare_recipes(args) -> None:
+    """BF16 and one FP8 run per recipe for each seed: per-recipe gap (mean, sd over seeds) next to the BF16 spread."""
+    import logging
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    corpus = load_corpus(args.data)
+    rows = []
+    for seed in args.seeds:
+        args.seed = seed
+        args.recipe = None
+        bf16 = train_once("bf16", corpus, args, fp8=False)
+        row = {"seed": seed, "bf16_val_loss": bf16.final_val_loss, "bf16_seconds": bf16.seconds}
+        for scaling in args.recipes:
+            args.recipe = scaling
+            fp8 = train_once(scaling, corpus, args, fp8=True)
+            row[scaling] = {
+                "val_loss": fp8.final_val_loss,
+                "relative_gap": (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss,
+                "skipped_steps": fp8.plugin.skipped_steps,
+                "rollbacks": fp8.plugin.rollbacks,
+                "seconds": fp8.seconds,
+            }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    bf16_losses = [r["bf16_val_loss"] for r in rows]
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs emulated)",
+        "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")},
+        "recipes": args.recipes,
+        "runs": rows,
+        "bf16_seed_spread_relative_sd": (statistics.stdev(bf16_losses) / statistics.mean(bf16_losses)) if len(rows) > 1 else 0.0,
+        "gaps": {},
+    }
+    for scaling in args.recipes:
+        gaps = [r[scaling]["relative_gap"] for r in rows]
+        summary["gaps"][scaling] = {"mean": statistics.mean(gaps), "sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0}
+    with open(args.out + ".json", "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# Convergence: fine-grained FP8 recipes vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
+                f"{summary['machine']})\n\nconfig: {summary['config']}\n\n")
+        f.write("| seed | bf16 val loss | " + " | ".join(f"{s} val loss | {s} gap" for s in args.recipes) + " |\n")
+        f.write("|---|---|" + "---|---|" * len(args.recipes) + "\n")
+        for r in rows:
+            cells = " | ".join(f"{r[s]['val_loss']:.4f} | {r[s]['relative_gap']:+.2%}" for s in args.recipes)
+            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {cells} |\n")
+        f.write("\n")
+        for scaling in args.recipes:
+            g = summary["gaps"][scaling]
+            skips = sum(r[scaling]["skipped_steps"] for r in rows)
+            f.write(f"- {scaling}: mean gap {g['mean']:+.2%} (sd {g['sd']:.2%} over seeds), {skips} skipped steps\n")
+        f.write(f"- bf16 seed-to-seed spread (relative sd of val loss): {summary['bf16_seed_spread_relative_sd']:.2%}\n")
     print(open(args.out + ".md").read())
 
 

@@ -77,6 +77,7 @@ def in_kernel_rand() -> bool:
 
 
 from lightning_fp8.kernels.ops import fp8_amax, fp8_cast, materializes_transpose, scaled_cast  # noqa: E402
+from lightning_fp8.kernels.tiled_ops import tiled_cast  # noqa: E402
 
 __all__ = [
     "triton_available",
@@ -89,6 +90,7 @@ __all__ = [
     "fp8_cast",
     "fp8_amax",
     "scaled_cast",
+    "tiled_cast",
     "materializes_transpose",
     "KERNEL_INPUT_DTYPES",
 ]

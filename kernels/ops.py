@@ -12,6 +12,13 @@ count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's
       CUDA: 2 launches (delayed: a pre-pass that exits at once once the history sizes the scale; current: amax,
       then cast), 1 without scaling. x_fp8^T is materialised only where the kernel writes it in the same pass (CUDA);
       elsewhere it is empty and callers use x_fp8.t() (the emulated GEMM reads any layout).
+  lightning_fp8::tiled_cast(x, history!, role, fmt, tile, tile_t, margin, power_of_2, noise?, record)
+      -> (x_fp8 [M,N] or empty, scale_inv per tile of x, x^T_fp8 [N,M] or empty, scale_inv per tile of x^T)
+      the stateless cast of a fine-grained (rowwise / blockwise) layer: one scale per tile (numerics/tiles.py), for
+      x and, in the same op, for x^T (the layout the other GEMM contracts); x's amax max-accumulated into
+      history[role, 0] when `record` (overflow detection and monitoring read it; no scale is derived from it).
+      Every device runs the torch reference (kernels/reference.py, about a dozen launches on CUDA per layout: a
+      fused Triton kernel is not written yet, docs/status.md). Defined in kernels/tiled_ops.py.
   lightning_fp8::close_scaling_step(history!, overflow_count!, clip_count!, constants..., taken)
       closing the step in progress of one layer's three roles (numerics.scaling.close_step), in place.
       CUDA: 1 launch (kernels/triton_scaling.py).

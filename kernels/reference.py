@@ -5,13 +5,14 @@ CPU path of the library runs them, the CUDA path runs the Triton kernels, and th
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
 from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
+from lightning_fp8.numerics.tiles import quantize_tiles
 
 
 def cast_reference(
@@ -106,3 +107,36 @@ def close_step_reference(
     overflow_count.add_(overflow.to(overflow_count.dtype))
     clip_count.add_(clip.to(clip_count.dtype))
     history.copy_(advance_history(history, clean, taken))
+
+
+def tiled_cast_reference(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    role: int,
+    fmt: FP8Format,
+    tile: Sequence[int],
+    tile_t: Sequence[int],
+    margin: int,
+    power_of_2: bool,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    record: bool = True,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The cast of a fine-grained FP8 layer (numerics.tiles.quantize_tiles): x with one scale per `tile`, and x^T
+    with one per `tile_t` (an empty tile: that cast is not made). Returns (x_fp8, scale_inv, x^T_fp8, scale_inv^T);
+    (record) x's amax is max-accumulated into history[role, 0], NaN / inf kept raw, as the per-tensor casts do."""
+    rounding = "stochastic" if noise is not None else "nearest"
+    q = s = q_t = s_t = None
+    amax = None
+    if len(tile):
+        q, s, amax = quantize_tiles(x, tile, fmt, margin, power_of_2, rounding=rounding, noise=noise)
+    if len(tile_t):
+        noise_t = noise.t() if noise is not None else None
+        q_t, s_t, amax_t = quantize_tiles(x.t(), tile_t, fmt, margin, power_of_2, rounding=rounding, noise=noise_t)
+        amax = amax_t if amax is None else amax
+    if record:
+        if amax is None:
+            amax = fast_amax(x)
+        slot = history[role, 0]
+        slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
+    return q, s, q_t, s_t

@@ -6,7 +6,7 @@ so two runs with equal recipes compute the same way.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from lightning_fp8.numerics.formats import E4M3, E5M2, FP8Format
 from lightning_fp8.numerics.quantize import ROUNDING_MODES
@@ -15,7 +15,11 @@ from lightning_fp8.numerics.quantize import ROUNDING_MODES
 ROLES = ("input", "weight", "grad_output")
 
 FORMAT_CHOICES = ("hybrid", "e4m3", "e5m2")
-SCALING_CHOICES = ("delayed", "current")
+SCALING_CHOICES = ("delayed", "current", "rowwise", "blockwise")
+#: scalings with one scale per tile of a tensor instead of one per tensor (lightning_fp8/numerics/tiles.py)
+FINE_GRAINED_SCALINGS = ("rowwise", "blockwise")
+#: scalings from coarse to fine: what FP8LayerFallback escalates along
+SCALING_ORDER = {"delayed": 0, "current": 0, "rowwise": 1, "blockwise": 2}
 AMAX_ALGO_CHOICES = ("max", "most_recent")
 BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
 
@@ -29,10 +33,19 @@ def _check_choice(field_name: str, value: Any, choices: Tuple[str, ...]) -> None
 class FP8Recipe:
     """How to compute in FP8.
 
-    format: "hybrid" (E4M3 for inputs and weights, E5M2 for gradients: the standard recipe), "e4m3" everywhere,
-        or "e5m2" everywhere (Mellempudi et al., 2019).
-    scaling: "delayed" (scale from an amax history, updated after each step; one pass over the tensor on GPU) or
-        "current" (scale from the amax of the tensor being cast; one more pass, no lag).
+    format: "hybrid" (E4M3 for inputs and weights, E5M2 for gradients: the standard per-tensor recipe), "e4m3"
+        everywhere, or "e5m2" everywhere (Mellempudi et al., 2019). Default (None): "hybrid" for the per-tensor
+        scalings, "e4m3" for the fine-grained ones (per-tile scales cover the range E5M2 gradients are for; what
+        DeepSeek-V3, Transformer Engine's block scaling and torchao's rowwise recipe use).
+    scaling: per-tensor "delayed" (scale from an amax history, updated after each step; one pass over the tensor on
+        GPU) or "current" (scale from the amax of the tensor being cast; one more pass, no lag); or fine-grained,
+        stateless scales along the axis each GEMM does not contract (docs/numerics.md, "Fine-grained scaling"):
+        "rowwise" (one scale per row of the first GEMM operand and per column of the second) or "blockwise"
+        (1 x block_size tiles for inputs and gradients, block_size x block_size blocks for weights: DeepSeek-V3's
+        recipe). A fine-grained recipe ignores amax_history_len / amax_compute_algo for its scales (the history
+        still records each tensor's amax, for overflow detection and monitoring).
+    block_size: the tile length of scaling="blockwise" (128 is what the GPU's blockwise GEMMs take; other sizes run
+        emulated).
     amax_history_len: steps of amax kept for delayed scaling.
     amax_compute_algo: "max" over the history, or "most_recent".
     margin: scale = fp8_max / amax / 2**margin; a margin of m leaves 2**m headroom for growth.
@@ -50,7 +63,7 @@ class FP8Recipe:
     fast_accum_forward: use fast accumulation for the forward GEMM on `_scaled_mm` (never for gradient GEMMs).
     """
 
-    format: str = "hybrid"
+    format: Optional[str] = None
     scaling: str = "delayed"
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
@@ -62,10 +75,13 @@ class FP8Recipe:
     skip_patterns: Tuple[str, ...] = field(default_factory=tuple)
     backend: str = "auto"
     fast_accum_forward: bool = True
+    block_size: int = 128
 
     def __post_init__(self) -> None:
-        _check_choice("format", self.format, FORMAT_CHOICES)
         _check_choice("scaling", self.scaling, SCALING_CHOICES)
+        if self.format is None:
+            object.__setattr__(self, "format", "e4m3" if self.scaling in FINE_GRAINED_SCALINGS else "hybrid")
+        _check_choice("format", self.format, FORMAT_CHOICES)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGO_CHOICES)
         _check_choice("rounding", self.rounding, ROUNDING_MODES)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
@@ -73,10 +89,23 @@ class FP8Recipe:
             raise ValueError(f"FP8Recipe.amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"FP8Recipe.margin must be an int >= 0, got {self.margin!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"FP8Recipe.block_size must be an int >= 1 (128 on GPUs), got {self.block_size!r}")
+        if self.fine_grained and not self.scale_gradients:
+            raise ValueError(
+                f"FP8Recipe(scaling={self.scaling!r}) scales every tile, gradients included: scale_gradients=False "
+                f"applies to the per-tensor scalings only; valid choices: scaling in ['delayed', 'current'] with "
+                f"scale_gradients=False, or scale_gradients=True"
+            )
         if isinstance(self.skip_patterns, str):
             object.__setattr__(self, "skip_patterns", (self.skip_patterns,))
         else:
             object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
+
+    @property
+    def fine_grained(self) -> bool:
+        """True for the scalings with one scale per tile (rowwise, blockwise), False for per-tensor ones."""
+        return self.scaling in FINE_GRAINED_SCALINGS
 
     def format_for(self, role: str) -> FP8Format:
         """The FP8 format of one tensor role ("input", "weight" or "grad_output")."""

@@ -154,7 +154,7 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
     header = records[0]
     assert header["version"] == 2 and header["thresholds"] == {
         "source": "FP8LayerFallback defaults (no FP8LayerFallback in this run)",
-        "overflow_factor": 8.0, "min_sqnr_db": 10.0, "max_underflow": None}
+        "overflow_factor": 8.0, "min_sqnr_db": 10.0, "max_underflow": 0.5}  # the flush-to-zero rule is on by default
     assert [row["precision"] for row in records[1]["layers"]] == ["bf16", "fp8", "fp8", "bf16"]
 
 
@@ -199,11 +199,13 @@ def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, c
     overflow_factor=8 times the range even under a power-of-two scale, which can sit up to 2x below the exact one):
     its weight cast clips, and so do the input of
     net.8 (its output, a step later), and the gradients of net.2 / net.4 (backward through it). Only net.6, where the
-    overflow originates, moves to BF16, with the reason; the loss stays finite; a resumed run has the same map."""
+    overflow originates, moves to BF16, with the reason; the loss stays finite; a resumed run has the same map.
+    (escalate_to=None: this is the BF16 move itself; with the default, the layer first goes to blockwise scaling,
+    tests/test_escalation.py.)"""
     caplog.set_level(logging.WARNING, logger="lightning_fp8")
     torch.manual_seed(0)
     model = Deep()
-    fallback = FP8LayerFallback()
+    fallback = FP8LayerFallback(escalate_to=None)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     logger = CSVLogger(tmp_path, name="run")
     t = trainer(
@@ -250,7 +252,7 @@ def test_fallback_moves_exactly_the_origin_layer_and_survives_resume(tmp_path, c
 
     torch.manual_seed(0)
     resumed = Deep()
-    t2 = trainer(plugins=[FP8Precision()], max_steps=14, max_epochs=-1, callbacks=[FP8LayerFallback(), MapSpy()])
+    t2 = trainer(plugins=[FP8Precision()], max_steps=14, max_epochs=-1, callbacks=[FP8LayerFallback(escalate_to=None), MapSpy()])
     t2.fit(resumed, loader(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     expected = [(r.fqn, r.precision, r.reason) for r in pmap.values()]
     assert maps["start"] == expected
@@ -269,7 +271,7 @@ def test_fp8_metrics_can_be_watched_by_modelcheckpoint_and_earlystopping(tmp_pat
                          check_on_train_epoch_end=True)
     t = trainer(plugins=[FP8Precision()], max_epochs=10, logger=CSVLogger(tmp_path, name="run"), enable_checkpointing=True,
                 callbacks=[GrowWeight("net.6", start=10, steps=4, factor=30.0), FP8ScaleMonitor(log_every_n_steps=4),
-                           FP8LayerFallback(), ckpt, stop])
+                           FP8LayerFallback(escalate_to=None), ckpt, stop])
     t.fit(Deep(), loader())  # 8 batches per epoch
     records = history(tmp_path / "run" / "version_0")
     fell = [r["step"] for r in records if r["type"] == "event" and r["kind"] == "fallback"]
@@ -316,7 +318,7 @@ def test_sqnr_rule_after_an_activation_spike():
 
     torch.manual_seed(0)
     model = Deep()
-    fallback = FP8LayerFallback(check_every_n_steps=1, stats_patience=3)
+    fallback = FP8LayerFallback(check_every_n_steps=1, stats_patience=3, escalate_to=None)
     plugin = FP8Precision()
     t = trainer(plugins=[plugin], max_steps=10, max_epochs=-1, callbacks=[StepCounter(), _HookAt("net.4", spike), fallback])
     t.fit(model, loader())
@@ -376,7 +378,7 @@ def test_nonfinite_origin_and_decisions_survive_a_rollback():
 def test_keep_in_bf16_and_retry(tmp_path):
     torch.manual_seed(0)
     model = Deep()
-    fallback = FP8LayerFallback(keep_in_bf16=["net.2"], retry_after_steps=3, max_retries=1)
+    fallback = FP8LayerFallback(keep_in_bf16=["net.2"], retry_after_steps=3, max_retries=1, escalate_to=None)
     states = {}
 
     class Spy(Callback):
@@ -446,7 +448,7 @@ def spike(module, args):  # an activation spike into net.4 on rank 0 only
     if now.get("rank") == 0 and now["step"] == 3:
         return (args[0] * 1e6,)
 
-fallback = FP8LayerFallback(check_every_n_steps=1)
+fallback = FP8LayerFallback(check_every_n_steps=1, escalate_to=None)
 t = trainer(plugins=[FP8Precision()], strategy="ddp", devices=2, max_steps=10, max_epochs=-1,
             logger=CSVLogger(out, name="ddp"),
             callbacks=[Step(), _HookAt("net.4", spike), FP8Calibration(num_batches=2), FP8ScaleMonitor(log_every_n_steps=2), fallback])

@@ -1,4 +1,6 @@
 """The console script: help, unknown command, a tiny demo run (the README's demo at toy size)."""
+import pytest
+
 from lightning_fp8.cli import main
 
 
@@ -14,5 +16,15 @@ def test_demo_runs_and_prints_the_table(capsys):
     assert main(["demo", *args]) == 0
     out = capsys.readouterr().out
     assert "relative val-loss gap" in out
-    assert "model.blocks.1.fc1   fp8   converted" in out
+    assert "model.blocks.1.fc1   fp8   delayed    converted" in out  # the table shows each FP8 layer's scaling
     assert "first linear layer kept in BF16" in out
+
+
+def test_demo_recipe_choice(capsys):
+    args = ["--steps", "2", "--d-model", "32", "--layers", "2", "--heads", "2", "--batch-size", "4", "--context", "16",
+            "--val-batches", "1", "--recipe", "blockwise"]
+    assert main(["demo", *args]) == 0
+    assert "model.blocks.1.fc1   fp8   blockwise  converted" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", "--recipe", "tilewise"])
+    assert "invalid choice: 'tilewise'" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from lightning_fp8 import FP8Linear, FP8Recipe
 from lightning_fp8.modules.gemm import (
     FP8EmulationWarning,
     _scaled_mm_applies,
+    _bf16_gemm,
     _scaled_mm_gemm,
     emulated_gemm,
     fp8_bf16_image,
@@ -214,7 +215,8 @@ def test_te_recipe_mapping_and_autocast(fake_te):
     assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
     cur = te_backend.te_recipe(FP8Recipe(scaling="current", format="e4m3"))
     assert type(cur).__name__ == "Float8CurrentScaling" and cur.fp8_format == fake_te.Format.E4M3
-    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False)):
+    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False),
+                FP8Recipe(scaling="rowwise"), FP8Recipe(scaling="blockwise")):
         with pytest.raises(ValueError, match="cannot express"):
             te_backend.te_recipe(bad)
     te_backend._warned.clear()
@@ -299,8 +301,9 @@ def test_bf16_emulation_rounds_once_like_scaled_mm(fmt, with_bias):
     exact = (a.double() @ b.double()) * (sa.double() * sb.double())
     if with_bias:
         exact = exact + bias.double()
-    out = emulated_gemm(a, sa, b, sb, torch.bfloat16, bias)
+    out = _bf16_gemm(a, sa, b, sb, bias)  # the BF16 path itself, whether or not this CPU picks it (gemm.py)
     assert torch.equal(out, exact.to(torch.bfloat16))
+    assert torch.equal(emulated_gemm(a, sa, b, sb, torch.bfloat16, bias), out)  # the path this CPU picks
     assert torch.equal(out, emulated_gemm(a, sa, b, sb, torch.float32, bias).to(torch.bfloat16))
     if with_bias:
         twice = ((a.double() @ b.double()) * (sa.double() * sb.double())).to(torch.bfloat16).double() + bias.double()
@@ -311,7 +314,7 @@ def test_bf16_emulation_on_random_operands_differs_from_float32_only_by_summatio
     a = quantize(torch.randn(128, 512) * 40, torch.tensor(1.0), E4M3)
     b = quantize(torch.randn(512, 96) * 40, torch.tensor(1.0), E4M3)
     sa, sb = torch.tensor(2.0**-4), torch.tensor(0.5)
-    fast = emulated_gemm(a, sa, b, sb, torch.bfloat16).float()
+    fast = _bf16_gemm(a, sa, b, sb, None).float()
     ref = emulated_gemm(a, sa, b, sb, torch.float32)
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
     assert ((fast - ref).abs() <= ulp).all()  # within one bf16 rounding of the float32 result

@@ -165,6 +165,24 @@ def test_an_escalation_shows_in_the_map_without_code_for_it(tmp_path):
     assert "escalated to rowwise scaling at step 12" in page
 
 
+def test_the_precision_map_table_shows_each_fp8_layers_scaling(tmp_path):
+    """The precision-map record's rows carry each FP8 layer's scaling (callbacks/hub.py `precision_rows`); the table
+    shows it, and nothing for BF16 layers."""
+    escalate = {"type": "event", "source": "fallback", "step": 12, "kind": "escalate", "layers": [LAYERS[1]],
+                "roles": ["input"], "scaling": "blockwise", "reason": "90% of the non-zero input values flushed"}
+    final_map = {"type": "precision_map", "step": 12, "layers": [
+        {"fqn": "model.embed_proj", "precision": "bf16", "reason": "first linear layer kept in BF16"},
+        *({"fqn": f, "precision": "fp8", "reason": "converted", "scaling": "blockwise" if f == LAYERS[1] else "delayed"}
+          for f in LAYERS)]}
+    synthetic_history(tmp_path / "fp8_history.jsonl", extra_events=[escalate, final_map])
+    page = render_report(load_history(str(tmp_path)))
+    table = page[page.index("<table class='precision-map'>"):]
+    table = table[: table.index("</table>")]
+    assert "<th>scaling</th>" in table
+    assert table.count("<td class='scaling'>blockwise</td>") == 1 and "<td class='scaling'>delayed</td>" in table
+    assert "<td class='scaling'></td>" in table  # the BF16 layer
+
+
 def test_short_names():
     names = short_names(["model.model.layers.0.self_attn.q_proj", "model.model.layers.17.mlp.down_proj", "model.lm_head"])
     assert names == {"model.model.layers.0.self_attn.q_proj": "layers.0.self_attn.q_proj",

@@ -40,7 +40,7 @@ def clipping_fault(tmp_path_factory):
     """net.6's weight x10 before each of steps 12-14 (completed-step count 12, 13, 14); the monitor samples every 10
     steps (10, 20): the fault lies between two samples, and the fallback moves net.6 at step 14."""
     tmp_path = tmp_path_factory.mktemp("fault")
-    t = fit(tmp_path, "fault", [GrowWeight("net.6", start=11, steps=3, factor=30.0), FP8ScaleMonitor(), FP8LayerFallback()],
+    t = fit(tmp_path, "fault", [GrowWeight("net.6", start=11, steps=3, factor=30.0), FP8ScaleMonitor(), FP8LayerFallback(escalate_to=None)],
             steps=30, log_every_n_steps=10)
     return t.log_dir, write_report(t.log_dir)
 

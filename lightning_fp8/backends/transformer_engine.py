@@ -93,6 +93,8 @@ def te_recipe(recipe: Optional[FP8Recipe] = None):
         )
     if recipe.format == "e5m2":
         unsupported.append("format='e5m2'")
+    if recipe.fine_grained:  # not mapped onto TE's block scaling (untested here): never a silent per-tensor recipe
+        unsupported.append(f"scaling={recipe.scaling!r}")
     if unsupported:
         raise ValueError(
             f"the Transformer Engine backend cannot express {', '.join(unsupported)}; use lightning_fp8's own "

@@ -1,4 +1,9 @@
-"""FP8LayerFallback: move a layer that cannot live in FP8 to BF16, by itself, and say why.
+"""FP8LayerFallback: move a layer that cannot live in FP8 to a finer scaling, then to BF16, by itself, and say why.
+
+Escalation (callbacks/fallback_escalation.py): when the overflow or precision rule fires for a layer with per-tensor
+scaling, the layer first moves to `escalate_to` (default "blockwise": per-tile scales, `layer.recipe` changes), with
+its reason logged and an "escalate" event; only when a rule fires again for a layer already that fine (it did not
+help), or the non-finite rule fires, does the layer move to BF16. `escalate_to=None` moves straight to BF16.
 
 Where a layer falls back to BF16: here, in `FP8LayerFallback._fall_back` (the only place that switches
 `layer.fp8_enabled` off at run time).
@@ -11,8 +16,9 @@ overflow   the step's amax exceeded the range the cast's scale allows by more th
            device-to-host copy per step). A cast that clips a hair (a weight growing by 0.01% under delayed scaling
            does that on most steps early in training) is normal and does not count. A layer falls back when it was
            the *origin* of an overflow in `overflow_patience` of the last `overflow_window` steps.
-precision  the quantization SQNR of a role is below `min_sqnr_db` (or, if `max_underflow` is set, more than that
-           fraction of its non-zero values is flushed to zero) in `stats_patience` consecutive statistics checks
+precision  the quantization SQNR of a role is below `min_sqnr_db`, or more than `max_underflow` of its non-zero values
+           are flushed to zero (on by default: a layer that silently zeroes most of an operand is the failure users
+           cannot see; None turns it off), in `stats_patience` consecutive statistics checks
            (every `check_every_n_steps` steps, and on FP8ScaleMonitor's logging steps; statistics come from
            `lightning_fp8.numerics.stats` through the shared sampler).
 non-finite a non-finite value originates in the layer: after the engine reports a non-finite amax, the next steps
@@ -36,7 +42,7 @@ travels with the precision plugin's state), so a resumed run has the same precis
 Under DDP the per-rank observations are combined with one MAX all-reduce per step, so every rank makes the same
 decision.
 
-(Length: this file is the callback's hook plumbing, switching, events and checkpoint state, plus the rules' user
+(Length: this file is the callback's hook plumbing, switching and escalating, events and checkpoint state, plus the rules' user
 documentation above; the rule logic itself is in fallback_rules.py.)
 """
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_fp8.callbacks.fallback_escalation import check_escalate_to, escalated_recipe, escalation_target
 from lightning_fp8.callbacks.fallback_rules import FallbackRules, Key, NonFiniteOriginProbe
 from lightning_fp8.callbacks.hub import (
     StatsConsumer,
@@ -87,6 +94,8 @@ class FP8LayerFallback(StatsConsumer, Callback):
         min_sqnr_db: quantization SQNR (dB) below which a statistics check is bad (None: off). FP8 casts of
             well-scaled tensors measure about 31 dB (E4M3) and 25 dB (E5M2).
         max_underflow: fraction of non-zero values flushed to zero above which a check is bad (None: off).
+        escalate_to: the finer scaling ("blockwise" or "rowwise") a layer moves to before BF16 when the overflow or
+            precision rule fires (None: straight to BF16).
         stats_patience: consecutive bad statistics checks that move the layer.
         check_every_n_steps: optimizer steps between statistics checks (they also run on FP8ScaleMonitor's logging
             steps). None: only on the monitor's steps.
@@ -103,13 +112,14 @@ class FP8LayerFallback(StatsConsumer, Callback):
         overflow_patience: int = 3,
         overflow_window: int = 20,
         min_sqnr_db: Optional[float] = 10.0,
-        max_underflow: Optional[float] = None,
+        max_underflow: Optional[float] = 0.5,
         stats_patience: int = 3,
         check_every_n_steps: Optional[int] = 10,
         nonfinite_patience: int = 2,
         retry_after_steps: Optional[int] = None,
         max_retries: int = 2,
         sample_size: int = DEFAULT_SAMPLE_SIZE,
+        escalate_to: Optional[str] = "blockwise",
     ) -> None:
         if isinstance(keep_in_bf16, str):
             keep_in_bf16 = (keep_in_bf16,)
@@ -137,6 +147,10 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self.retry_after_steps = retry_after_steps
         self.max_retries = max_retries
         self.sample_size = sample_size
+        self.escalate_to = check_escalate_to(escalate_to)
+        #: fqn -> {"from", "to", "reason", "rule", "roles", "step"}: the layers this callback moved to a finer
+        #: scaling, with why. Survives checkpoints.
+        self.escalations: Dict[str, Dict[str, Any]] = {}
         #: fqn -> {"reason", "rule", "roles", "step", "manual", "retries", "retry_at"}: the layers this callback
         #: keeps in BF16, with why. Survives checkpoints.
         self.fallbacks: Dict[str, Dict[str, Any]] = {}
@@ -242,6 +256,9 @@ class FP8LayerFallback(StatsConsumer, Callback):
                         "retry_at": None,
                     }
                     break
+        for fqn, info in self.escalations.items():
+            if fqn in layers:
+                self._set_scaling(layers[fqn], info)
         for fqn, info in self.fallbacks.items():
             layer = layers.get(fqn)
             if layer is None:
@@ -252,6 +269,12 @@ class FP8LayerFallback(StatsConsumer, Callback):
                 self._manual_logged.add(fqn)
                 log.info("lightning_fp8: %s kept in BF16 (%s)", fqn, info["reason"])
                 self._record_event(trainer, pl_module, "keep_bf16", [fqn], info["reason"], log_metric=False)
+
+    @staticmethod
+    def _set_scaling(layer: FP8Linear, info: Dict[str, Any]) -> None:
+        if layer.recipe.scaling != info["to"]:
+            layer.recipe = escalated_recipe(layer.recipe, info["to"])
+        layer.fp8_escalation_reason = f"escalated from {info['from']} to {info['to']} scaling at step {info['step']}: {info['reason']}"
 
     @staticmethod
     def _disable(layer: FP8Linear, reason: str) -> None:
@@ -339,6 +362,13 @@ class FP8LayerFallback(StatsConsumer, Callback):
     # -- switching ---------------------------------------------------------------------------------------------
     def _fall_back(self, trainer, pl_module, fqn: str, rule: str, roles: List[str], reason: str) -> None:
         layer = fp8_layers(pl_module)[fqn]
+        target = escalation_target(layer.recipe, rule, self.escalate_to)
+        if target is not None:
+            self._escalate(trainer, pl_module, layer, fqn, target, rule, roles, reason)
+            return
+        if fqn in self.escalations:
+            info = self.escalations[fqn]
+            reason += f"; {info['to']} scaling (since step {info['step']}) did not help"
         retries = self._retries.get(fqn, 0)
         retry_at = None
         if self.retry_after_steps is not None:
@@ -359,6 +389,18 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self._rules.forget(fqn, episodes=False)
         log.warning("lightning_fp8: layer %s moved to BF16 at step %d: %s", fqn, trainer.global_step, reason)
         self._record_event(trainer, pl_module, "fallback", [fqn], reason, rule=rule, roles=roles)
+
+    def _escalate(self, trainer, pl_module, layer: FP8Linear, fqn: str, target: str, rule: str, roles: List[str],
+                  reason: str) -> None:
+        """Move a layer to a finer scaling instead of BF16 (callbacks/fallback_escalation.py)."""
+        info = {"from": layer.recipe.scaling, "to": target, "reason": reason, "rule": rule, "roles": roles,
+                "step": trainer.global_step}
+        self.escalations[fqn] = info
+        self._set_scaling(layer, info)
+        self._rules.forget(fqn, episodes=False)  # judged afresh under the new scaling
+        log.warning("lightning_fp8: layer %s escalated from %s to %s scaling at step %d: %s", fqn, info["from"], target,
+                    trainer.global_step, reason)
+        self._record_event(trainer, pl_module, "escalate", [fqn], reason, rule=rule, roles=roles, scaling=target)
 
     def _retry_due(self, trainer, pl_module, step: int, layers: Dict[str, FP8Linear]) -> None:
         for fqn, info in list(self.fallbacks.items()):
@@ -424,6 +466,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
             "fallbacks": {fqn: dict(info) for fqn, info in self.fallbacks.items()},
             "retries": dict(self._retries),
             "events": list(self.events),
+            "escalations": {fqn: dict(info) for fqn, info in self.escalations.items()},
             **self._rules.state_dict(),
         }
 
@@ -431,6 +474,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self.fallbacks = {fqn: dict(info) for fqn, info in state_dict.get("fallbacks", {}).items()}
         self._retries = dict(state_dict.get("retries", {}))
         self.events = list(state_dict.get("events", []))
+        self.escalations = {fqn: dict(info) for fqn, info in state_dict.get("escalations", {}).items()}
         self._rules.load_state_dict(state_dict)
         self._manual_logged = {fqn for fqn, info in self.fallbacks.items() if info.get("manual")}
 

@@ -122,7 +122,9 @@ class LayerStatsSampler:
         metric = self._aggregates.get(key)
         if metric is None:
             metric = self._aggregates[key] = QuantStatsMetric().to(x.device)
-        metric.update(stats, scale)
+        # a fine-grained cast has a scale per tile: report the smallest (the tile holding the amax), so range_ratio
+        # = amax * scale / max keeps its meaning (1: the largest tile fills the FP8 range)
+        metric.update(stats, scale if scale.numel() == 1 else scale.amin())
         self._calls[key] = self._calls.get(key, 0) + 1
         self._format_max[key] = fmt.max
 

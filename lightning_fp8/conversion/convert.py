@@ -26,6 +26,7 @@ from lightning_fp8.conversion.filters import (
     rule_skip_reason,
     structural_skip_reason,
 )
+from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
 from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
@@ -51,6 +52,7 @@ class LayerPrecision:
     module_type: str = ""
     flops_per_token: int = 0
     preview: bool = False
+    scaling: str = ""  # an FP8 layer's scaling (its effective recipe's, e.g. "blockwise" after an escalation)
 
 
 def convert_to_fp8(
@@ -58,10 +60,14 @@ def convert_to_fp8(
     recipe: Optional[FP8Recipe] = None,
     module_filter: Optional[ModuleFilter] = None,
     *,
+    layer_recipes: Optional[LayerRecipes] = None,
     example_input: Any = AUTO,
     verbose: bool = True,
 ) -> nn.Module:
     """Replace the model's linear layers by FP8 layers in place, and return the model.
+
+    layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins, for layers that compute with
+    another recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); see conversion/layer_recipes.py.
 
     module_filter(module, fqn) -> bool, if given, replaces the default filter (True: convert); layers that cannot run
     in FP8 as they are used stay in BF16 whatever it says. example_input: an input for one traced forward that finds
@@ -70,8 +76,11 @@ def convert_to_fp8(
     nothing converts. Layers already converted are left alone, so converting twice is a no-op. A bare linear layer
     passed as `model` is returned converted (there is no parent to replace it in)."""
     recipe = _check_recipe(recipe)
+    per_layer = normalize_layer_recipes(layer_recipes)
     decisions = plan_conversion(model, recipe, module_filter, example_input=example_input)
     parents = _parent_index(model)
+    if per_layer:
+        warn_unmatched(per_layer, [fqn for fqn, reason in decisions.items() if reason is None])
     for fqn, reason in decisions.items():
         module = model.get_submodule(fqn) if fqn else model
         module.__dict__.pop(SKIP_REASON_ATTR, None)
@@ -79,7 +88,8 @@ def convert_to_fp8(
             module.__dict__[SKIP_REASON_ATTR] = reason
             continue
         kind = kinds.linear_kind(module)
-        new = transplant.to_fp8(module, lambda m, kind=kind: kind.convert(m, recipe))
+        layer_recipe = recipe_for(fqn, recipe, per_layer)
+        new = transplant.to_fp8(module, lambda m, kind=kind, r=layer_recipe: kind.convert(m, r))
         if not fqn:
             model = new
         else:
@@ -174,10 +184,14 @@ def precision_map(
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features
+            scaling = module.recipe.scaling
             if module.fp8_enabled:
-                rows.append(LayerPrecision(fqn, "fp8", "converted", label, flops))
+                note = getattr(module, "fp8_escalation_reason", None)
+                reason = f"converted; {note}" if note else "converted"
+                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling))
             else:
-                rows.append(LayerPrecision(fqn, "bf16", module.fp8_disabled_reason or "fp8_enabled=False", label, flops))
+                reason = module.fp8_disabled_reason or "fp8_enabled=False"
+                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling))
             continue
         kind = kinds.linear_kind(module)
         if kind is not None:

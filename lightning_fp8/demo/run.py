@@ -43,7 +43,7 @@ def train_once(name: str, corpus: CharCorpus, args: argparse.Namespace, fp8: boo
     L.seed_everything(args.seed, verbose=False)
     cfg = GPTConfig(vocab_size=corpus.vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     module = CharGPTModule(cfg, lr=args.lr, max_steps=args.steps)
-    plugin = FP8Precision(preset=args.preset) if fp8 else None
+    plugin = FP8Precision(demo_recipe(args)) if fp8 else None
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
@@ -67,6 +67,21 @@ def train_once(name: str, corpus: CharCorpus, args: argparse.Namespace, fp8: boo
     return RunResult(name, sum(tail) / len(tail), module.val_losses[-1], seconds, module, plugin)
 
 
+def demo_recipe(args: argparse.Namespace):
+    """The FP8 recipe of the run: the preset's, with --recipe's scaling (a fine-grained scaling takes its own default
+    formats, E4M3 everywhere, unless the preset names others)."""
+    import dataclasses
+
+    from lightning_fp8.presets import get_preset
+
+    recipe = get_preset(args.preset)
+    scaling = getattr(args, "recipe", None)
+    if scaling is None or scaling == recipe.scaling:
+        return recipe
+    keep_format = args.preset != "default"
+    return dataclasses.replace(recipe, scaling=scaling, format=recipe.format if keep_format else None)
+
+
 def format_table(fp8: RunResult, bf16: RunResult, steps: int) -> str:
     gap = (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss
     lines = [
@@ -81,7 +96,8 @@ def format_table(fp8: RunResult, bf16: RunResult, steps: int) -> str:
     lines.append("layer precision (FP8 run):")
     width = max(len(row.fqn) for row in precision_map(fp8.module))
     for row in precision_map(fp8.module):
-        lines.append(f"  {row.fqn:<{width}}  {row.precision:<4}  {row.reason}")
+        scaling = row.scaling if row.precision == "fp8" else ""
+        lines.append(f"  {row.fqn:<{width}}  {row.precision:<4}  {scaling:<9}  {row.reason}")
     return "\n".join(lines)
 
 
@@ -97,6 +113,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="default", help="FP8 preset: default, conservative, mellempudi")
+    parser.add_argument("--recipe", default=None, choices=["delayed", "current", "rowwise", "blockwise"],
+                        help="FP8 scaling (default: the preset's): per-tensor delayed / current, or fine-grained "
+                             "rowwise / blockwise (1x128 tiles, 128x128 weight blocks)")
     parser.add_argument("--data", default=None, help="a text file to train on (default: the CPython stdlib text)")
     parser.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     return parser

@@ -64,7 +64,8 @@ class FP8PrecisionCore:
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
-        module = convert_to_fp8(module, self.recipe, self.module_filter, verbose=False)
+        module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
+                                verbose=False)
         if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
             from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from lightning_fp8.conversion.filters import ModuleFilter
+from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.loss_scaler import LossScaling, resolve_loss_scaling
 from lightning_fp8.presets import get_preset
@@ -42,6 +43,8 @@ class FP8Options:
         optimizer_kwargs: FP8AdamW storage options for that swap.
     compute_dtype: "bf16" or "fp16" (or the torch dtype): the autocast dtype of everything that is not an FP8 GEMM.
     fp8_eval: run evaluation forwards in FP8 too (True) or in compute_dtype (False).
+    layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: the layers that compute with
+        another recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}).
     """
 
     recipe: Optional[FP8Recipe] = None
@@ -62,6 +65,7 @@ class FP8Options:
     optimizer_kwargs: Optional[Dict[str, Any]] = None
     compute_dtype: Union[str, torch.dtype] = "bf16"
     fp8_eval: bool = True
+    layer_recipes: Optional[LayerRecipes] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +82,7 @@ class FP8Options:
                 f"optimizer_state={self.optimizer_state!r} is not valid; valid choices: {list(OPTIMIZER_STATE_CHOICES)}"
             )
         resolve_compute_dtype(self.compute_dtype)
+        normalize_layer_recipes(self.layer_recipes)  # raises naming what a layer_recipes entry must be
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
 

@@ -59,6 +59,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         compute_dtype: Union[str, torch.dtype] = "bf16",
         fp8_eval: bool = True,
+        layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
         if self.optimizer_state != "fp32":

@@ -48,6 +48,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
         optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
         compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
         fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
+        layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: layers that compute with another
+            recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); `layer.recipe` is each layer's.
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
@@ -75,6 +77,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         optimizer_kwargs: Optional[Dict[str, Any]] = None,
         compute_dtype: Union[str, torch.dtype] = "bf16",
         fp8_eval: bool = True,
+        layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
 

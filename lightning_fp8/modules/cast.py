@@ -15,14 +15,15 @@ from lightning_fp8 import kernels
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, RoleState
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.scaling import cast_scale as _cast_scale
+from lightning_fp8.numerics.tiles import expand_tiles, operand_tiles, tile_amax, tile_scales
 from lightning_fp8.recipe import FP8Recipe
 
 Tensor = torch.Tensor
 
 
 def scaling_mode(recipe: FP8Recipe, role: str, record: bool) -> str:
-    """The scaling of a cast: "none" for an unscaled role, current scaling outside training (evaluation never uses
-    or changes the training state), else the recipe's."""
+    """The per-tensor scaling of a cast: "none" for an unscaled role, current scaling outside training (evaluation
+    never uses or changes the training state), else the recipe's. (Fine-grained recipes cast with `tiled_cast`.)"""
     if not recipe.uses_scaling_for(role):
         return "none"
     return recipe.scaling if record else "current"
@@ -61,10 +62,40 @@ def scaled_cast(
     )
 
 
+def tiled_cast(
+    x: Tensor,
+    meta: FP8LinearMeta,
+    recipe: FP8Recipe,
+    role: str,
+    record: bool,
+    layouts: Tuple[bool, bool] = (True, True),
+    generator: Optional[torch.Generator] = None,
+):
+    """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_fp8, scale_inv), (x^T_fp8, scale_inv^T)), the
+    layouts not asked for (`layouts` = (x, x^T)) as (None, None). One `lightning_fp8::tiled_cast` op; record=True
+    accumulates x's amax into the role's open history slot (the scales never depend on it)."""
+    tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
+    noise = None
+    if recipe.rounding_for(role) == "stochastic":
+        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return kernels.tiled_cast(
+        x, meta.amax_history, ROLE_INDEX[role], recipe.format_for(role), tile if layouts[0] else (),
+        tile_t if layouts[1] else (), recipe.margin, recipe.power_of_2_scales, record=record, noise=noise,
+    )
+
+
 def cast_scale(
     x: Tensor, amax: Tensor, state: RoleState, recipe: FP8Recipe, role: str, record: bool, fmt: FP8Format
 ) -> Tensor:
-    """The scale the cast of `x` (amax `amax`) uses under the recipe: observers call it to see what the cast saw."""
+    """The scale the cast of `x` (amax `amax`) uses under the recipe: observers call it to see what the cast saw.
+
+    Fine-grained recipes: one scale per element of x (its tile's, for the layout of the first GEMM the role feeds:
+    x and dy in row tiles, W in its blocks / rows), x's shape (a leading batch shape is flattened into rows)."""
+    if recipe.fine_grained:
+        x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        tile, _ = operand_tiles(recipe.scaling, recipe.block_size, role)
+        scales = tile_scales(tile_amax(x2d, tile), fmt, recipe.margin, recipe.power_of_2_scales)
+        return expand_tiles(scales, tile, x2d.shape).reshape(x.shape)
     return _cast_scale(
         state.amax_history.to(amax.device),
         amax,
@@ -102,4 +133,4 @@ def cast_to_fp8(
     return out_t if layout == "t" else (out, out_t)
 
 
-__all__ = ["scaled_cast", "cast_scale", "cast_to_fp8", "scaling_mode"]
+__all__ = ["scaled_cast", "tiled_cast", "cast_scale", "cast_to_fp8", "scaling_mode"]

@@ -16,9 +16,10 @@ from torch import nn
 
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
-from lightning_fp8.modules.cast import scaled_cast
+from lightning_fp8.modules.cast import scaled_cast, tiled_cast
 from lightning_fp8.modules.fp8_meta import FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
+from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -61,6 +62,9 @@ class FP8Layer(nn.Module):
         self._fp8_enabled = True
         #: why the layer is not in FP8 (None while it is); set by fallback logic
         self.fp8_disabled_reason: Optional[str] = None
+        #: why the layer's scaling was made finer than its conversion recipe's (None while it was not); set by
+        #: FP8LayerFallback's escalation, shown in the precision map
+        self.fp8_escalation_reason: Optional[str] = None
         #: False when an engine syncs and updates the scales (once per optimizer step, after an amax all-reduce)
         self.autoupdate_scales = True
         #: optional callable(role, tensor) called with each high-precision operand before its cast (observability
@@ -130,6 +134,13 @@ class FP8Layer(nn.Module):
         meta = self.fp8_meta
         x2d = x.reshape(-1, weight.shape[1])
         needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
+        if recipe.fine_grained:
+            # one op per tensor: x in both layouts (x^T only when a weight gradient will be computed), W in its own
+            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad))
+            w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
+            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
+            out = apply_fp8_tiled_gemms(x2d, weight, self.bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and kernels.materializes_transpose(x2d)
         x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
         w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
@@ -161,7 +172,10 @@ class FP8Layer(nn.Module):
 
     def extra_repr(self) -> str:
         precision = "fp8" if self._fp8_enabled else f"bf16 ({self.fp8_disabled_reason or 'disabled'})"
-        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={self.recipe.scaling}, precision={precision}"
+        scaling = self.recipe.scaling
+        if scaling == "blockwise":
+            scaling += f"({self.recipe.block_size})"
+        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={scaling}, precision={precision}"
 
 
 class FP8Linear(FP8Layer, nn.Linear):

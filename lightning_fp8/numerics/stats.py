@@ -97,6 +97,14 @@ def sqnr_db(signal, noise):
     return 10.0 * math.log10(signal / noise)
 
 
+def sample_indices(n: int, sample_size: int, generator: Optional[torch.Generator], device) -> Optional[torch.Tensor]:
+    """The flat indices `sample_elements` draws for a tensor of n elements (None: all of them)."""
+    if sample_size <= 0 or n <= sample_size:
+        return None
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randint(n, (sample_size,), generator=generator, device=gen_device).to(device, non_blocking=True)
+
+
 def sample_elements(x: torch.Tensor, sample_size: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """A 1-D sample of `sample_size` elements of `x` drawn uniformly (with replacement) by `generator`, or all of
     `x` flattened when it has no more elements than that. The indices are drawn on the generator's device (CPU for a
@@ -122,6 +130,8 @@ def quantization_stats(
 ) -> QuantStats:
     """Statistics of casting `x` to `fmt` with quantization scale `scale` (see the module docstring).
 
+    scale: a scalar, or one scale per element of x (x's shape: a fine-grained cast's tile scales, expanded), sampled
+    at the same elements as x.
     rounding: the cast's rounding ("stochastic" draws its noise from `generator` too). amax: pass it when already
     computed (it is `tensor_amax(x)`).
     """
@@ -134,7 +144,12 @@ def quantization_stats(
     in_range = torch.count_nonzero((x.to(torch.float32) * scale).abs_() <= fmt.max)
     overflow = (numel - in_range).to(torch.float64)
 
-    xs = sample_elements(x, sample_size, generator).to(torch.float32)
+    if scale.numel() > 1:
+        idx = sample_indices(x.numel(), sample_size, generator, x.device)
+        xs = x.reshape(-1)[idx].to(torch.float32) if idx is not None else x.reshape(-1).to(torch.float32)
+        scale = scale.reshape(-1)[idx] if idx is not None else scale.reshape(-1)
+    else:
+        xs = sample_elements(x, sample_size, generator).to(torch.float32)
     roundtrip = dequantize(quantize(xs, scale, fmt, rounding=rounding, generator=generator), scale.reciprocal())
     finite = torch.isfinite(xs)
     nonzero_mask = finite & (xs != 0)
