@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine import clipping
-from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.scales import ModelScales
@@ -235,9 +235,9 @@ class FP8TrainingEngine:
     def _weights_finite(self) -> bool:
         if self.model is None:
             return True
-        params = [p for p in self.model.parameters()]
+        params = [p for p in local_shards(self.model.parameters()) if p.numel()]  # FSDP2: this rank's shards
         if not params:
-            return True
+            params = [torch.zeros(1)]  # an empty shard still joins the flag's all-reduce below
         device = params[0].device
         norms = torch._foreach_norm(params)
         all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
