@@ -20,6 +20,7 @@ from lightning_fp8.presets import get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
+GRADIENT_COMMUNICATION_CHOICES = ("bf16", "fp8")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -42,6 +43,14 @@ class FP8Options:
         optimizer_kwargs: FP8AdamW storage options for that swap.
     compute_dtype: "bf16" or "fp16" (or the torch dtype): the autocast dtype of everything that is not an FP8 GEMM.
     fp8_eval: run evaluation forwards in FP8 too (True) or in compute_dtype (False).
+    fp8_all_gather: under FSDP2, all-gather the weights of FP8 layers in FP8 (1 byte per element instead of 2), each
+        rank casting its shard with the scale all ranks share; applies to layers with a per-tensor recipe (delayed or
+        current scaling), others gather in high precision (docs/distributed.md says which and why). No effect
+        without FSDP2.
+    gradient_communication: "bf16" leaves gradient reduction to the framework, in high precision (DDP reduces in the
+        gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in FP8 with a
+        scale shared across ranks (FP8-LM's automatic scaling: DDP through a comm hook, FSDP2 through a custom
+        reduce-scatter), half the bytes of a BF16 reduction.
     """
 
     recipe: Optional[FP8Recipe] = None
@@ -62,6 +71,8 @@ class FP8Options:
     optimizer_kwargs: Optional[Dict[str, Any]] = None
     compute_dtype: Union[str, torch.dtype] = "bf16"
     fp8_eval: bool = True
+    fp8_all_gather: bool = True
+    gradient_communication: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +89,13 @@ class FP8Options:
                 f"optimizer_state={self.optimizer_state!r} is not valid; valid choices: {list(OPTIMIZER_STATE_CHOICES)}"
             )
         resolve_compute_dtype(self.compute_dtype)
+        if self.gradient_communication not in GRADIENT_COMMUNICATION_CHOICES:
+            raise ValueError(
+                f"gradient_communication={self.gradient_communication!r} is not valid; valid choices: "
+                f"{list(GRADIENT_COMMUNICATION_CHOICES)}"
+            )
+        if not isinstance(self.fp8_all_gather, bool):
+            raise ValueError(f"fp8_all_gather must be True or False, got {self.fp8_all_gather!r}")
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
 
@@ -104,4 +122,4 @@ def resolve_compute_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
     raise ValueError(f"compute_dtype={value!r} is not valid; valid choices: {list(COMPUTE_DTYPES)}")
 
 
-__all__ = ["FP8Options", "OPTIMIZER_STATE_CHOICES", "COMPUTE_DTYPES", "option_names", "resolve_compute_dtype"]
+__all__ = ["FP8Options", "OPTIMIZER_STATE_CHOICES", "GRADIENT_COMMUNICATION_CHOICES", "COMPUTE_DTYPES", "option_names", "resolve_compute_dtype"]
