@@ -106,10 +106,10 @@ class FP8AllGatherWeight(torch.Tensor):
             FP8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {})
         )
         out = func(*unwrapped_args, **unwrapped_kwargs)
-        if func in _PRESERVING_OPS:
-            return pytree.tree_map_only(torch.Tensor, FP8AllGatherWeight, out)
         if func._schema.name.endswith("_") and args and isinstance(args[0], FP8AllGatherWeight):
             return args[0]  # an in-place op returns its (updated) self
+        if func in _PRESERVING_OPS:
+            return pytree.tree_map_only(torch.Tensor, FP8AllGatherWeight, out)
         return out
 
     # -- FSDP2's all-gather extension -------------------------------------------------------------------------------
@@ -154,6 +154,7 @@ class FP8AllGatherWeight(torch.Tensor):
         (data,) = all_gather_outputs
         if out is not None:  # FSDP2 re-gathered into the same buffers: only the cast's scale, amax and key can differ
             out.update(metadata.scale, metadata.amax, metadata.cast_key)
+            out._source.shard = self  # the shard FSDP2 holds now (a load may have replaced the tensor object)
             return None
         source = _ShardSource(self, metadata.group, metadata.rows, metadata.padded_rows, param_dtype)
         weight = PrecastFP8Weight(data.view(metadata.fp8_dtype), metadata.scale.clone(), metadata.amax.clone(),
