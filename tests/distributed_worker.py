@@ -185,7 +185,7 @@ def _gpt_logits_loss(model, x, y):
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _fabric_run(fsdp2: bool):
+def _fabric_run(fsdp2: bool, communication: str = "bf16"):
     """Fabric with ModelParallelStrategy (FSDP2) or DDP: the same faults, fabric.save at step 5, then a fresh setup
     resumes with lightning_fp8.fabric.load_checkpoint and trains steps 6-8."""
     from lightning.fabric import Fabric
@@ -195,8 +195,10 @@ def _fabric_run(fsdp2: bool):
     from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
     from lightning_fp8.fabric import load_checkpoint
 
+    missing_call_error = {}
+
     def build():
-        plugin = FabricFP8Precision(loss_scaling="dynamic")
+        plugin = FabricFP8Precision(loss_scaling="dynamic", gradient_communication=communication)
 
         def parallelize(model, mesh):
             plugin.convert_for_fsdp(model)  # before fully_shard (Fabric has converted already: FP8 all-gather here)
@@ -214,6 +216,14 @@ def _fabric_run(fsdp2: bool):
         faults(gpt, lambda: step["i"])
         model = fabric.setup_module(gpt)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+        if communication == "fp8" and not fsdp2:
+            try:  # Fabric never shows the plugin its DDP wrapper: without the helper the first backward refuses
+                fabric.backward(_gpt_logits_loss(model, *batch(0, rank())))
+                missing_call_error["message"] = "no error"
+            except RuntimeError as error:
+                missing_call_error["message"] = str(error)
+            optimizer.zero_grad()
+            plugin.setup_gradient_communication(model)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return fabric, plugin, model, optimizer, scheduler, step
 
@@ -236,7 +246,9 @@ def _fabric_run(fsdp2: bool):
     path = os.path.join(OUT, f"fabric_{'fsdp2' if fsdp2 else 'ddp'}_ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "fp8": plugin})
     losses += train(fabric, model, optimizer, scheduler, step, range(CKPT_STEP, STEPS))
-    result = {"losses": losses, "weights": full_weights(model), **fp8_state(plugin, model.module)}
+    result = {"losses": losses, "weights": full_weights(model), **fp8_state(plugin, model.module),
+              "missing_call_error": missing_call_error.get("message"),
+              "fp8_comm": bool(getattr(model._forward_module, "_lightning_fp8_gradient_communication", False))}
     fabric_b, plugin_b, model_b, optimizer_b, scheduler_b, step_b = build()
     state = {"model": model_b, "optimizer": optimizer_b, "scheduler": scheduler_b, "fp8": plugin_b}
     load_checkpoint(fabric_b, path, state)
@@ -253,6 +265,12 @@ def fabric_fsdp2():
 
 def fabric_ddp():
     return _fabric_run(fsdp2=False)
+
+
+def fabric_fp8_comm():
+    """Fabric with gradient_communication="fp8": DDP (the helper call, and the error without it) and FSDP2 (the FP8
+    reduce-scatter installed at the first backward)."""
+    return {"ddp": _fabric_run(fsdp2=False, communication="fp8"), "fsdp2": _fabric_run(fsdp2=True, communication="fp8")}
 
 
 def _accelerate_run(fsdp2: bool):
@@ -559,6 +577,7 @@ SCENARIOS = {
     "lightning_fsdp2_fp8_optimizer": lightning_fsdp2_fp8_optimizer,
     "fabric_fsdp2": fabric_fsdp2,
     "fabric_ddp": fabric_ddp,
+    "fabric_fp8_comm": fabric_fp8_comm,
     "accelerate_fsdp2": accelerate_fsdp2,
     "accelerate_ddp": accelerate_ddp,
     "lightning_ddp_fp8_comm": lightning_ddp_fp8_comm,

@@ -128,6 +128,16 @@ def test_fp8_gradient_communication_through_the_plugins(runs):
     _same_on_both_ranks(*fsdp)
 
 
+def test_fp8_gradient_communication_through_fabric(runs):
+    for r in runs("fabric_fp8_comm"):
+        assert "setup_gradient_communication" in r["ddp"]["missing_call_error"]
+        assert r["ddp"]["fp8_comm"] and r["fsdp2"]["fp8_comm"]
+    for kind in ("ddp", "fsdp2"):
+        r0, r1 = (r[kind] for r in runs("fabric_fp8_comm"))
+        _same_on_both_ranks(r0, r1)
+        _resumed_bit_identical(r0)
+
+
 def _relative_error(grads, reference):
     a = torch.cat([g.reshape(-1) for g in grads])
     b = torch.cat([g.reshape(-1) for g in reference])
