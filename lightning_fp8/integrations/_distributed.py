@@ -13,6 +13,7 @@ The numerics and the FSDP2 / DDP mechanics live in lightning_fp8/distributed; th
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch.distributed as dist
@@ -52,8 +53,9 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
     """The framework converts a model that fully_shard already sharded (Lightning's ModelParallelStrategy converts
     after configure_model): refuse if layers would still convert, else take the model over as it is."""
     if not fp8_layers(module):
-        pending = [fqn for fqn, reason in plan_conversion(module, core.recipe, core.module_filter, example_input=None).items()
-                   if reason is None]
+        # which layers would convert, without the first/last rule (it would trace a forward of the sharded model)
+        recipe = dataclasses.replace(core.recipe, keep_first_last_in_bf16=False)
+        pending = [fqn for fqn, reason in plan_conversion(module, recipe, core.module_filter).items() if reason is None]
         check_convertible(module, pending)
     warn_if_gathered_in_high_precision(core, module)
     if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
