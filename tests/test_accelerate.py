@@ -450,9 +450,7 @@ def test_two_cpu_processes_keep_identical_weights_and_scales(tmp_path):
     assert r0.pop("counters").tolist() == r1.pop("counters").tolist() == [1.0, 0.0, 128.0]
     histories = [k for k in r0 if k.endswith("fp8_meta.amax_history")]
     assert histories
-    for key in r0:
-        if key.endswith(("clip_count", "overflow_count")):
-            continue  # per-rank statistics of each rank's own casts, by design
+    for key in r0:  # counters included: the step-close collective carries the overflow / clip flags
         assert torch.equal(r0[key], r1[key]), key
-    assert r0["2.fp8_meta.overflow_count"][0].item() == 1 and r1["2.fp8_meta.overflow_count"][0].item() == 0
+    assert r0["2.fp8_meta.overflow_count"][0].item() == 1 == r1["2.fp8_meta.overflow_count"][0].item()
     assert all((r0[k][:, 1] > 0).all() for k in histories)  # synced histories (delayed scales) hold real amaxes

@@ -22,9 +22,7 @@ def test_ddp_two_ranks_identical_weights_and_scales(tmp_path):
     assert r0["skip_steps"].tolist() == r1["skip_steps"].tolist() == [6]
     histories = [k for k in r0 if k.endswith("fp8_meta.amax_history")]
     assert histories
-    for key in r0:
-        if key.endswith(("clip_count", "overflow_count")):
-            continue  # per-rank statistics of each rank's own casts, by design
+    for key in r0:  # counters included: the step-close collective carries the overflow / clip flags
         assert torch.equal(r0[key], r1[key]), key
     # the synced histories (they size the delayed scales) hold real amaxes of every role
     assert all((r0[k][:, 1] > 0).all() for k in histories)

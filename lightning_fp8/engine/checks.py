@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
 
 
 class LossRecord:
@@ -57,9 +57,9 @@ def weights_finite(model: Optional[nn.Module]) -> bool:
     """Every parameter of `model` is finite on every rank (one fused norm, one host copy, one collective)."""
     if model is None:
         return True
-    params = [p for p in model.parameters()]
+    params = [p for p in local_shards(model.parameters()) if p.numel()]  # FSDP2: this rank's shards
     if not params:
-        return True
+        params = [torch.zeros(1)]  # an empty shard still joins the flag's all-reduce below, or the ranks would hang
     device = params[0].device
     norms = torch._foreach_norm(params)
     all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()

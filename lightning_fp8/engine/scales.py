@@ -5,8 +5,9 @@ the scales, for all layers together:
 
     overflows = scales.new_overflows()      before the skip decision: the (layer, role) casts that overflowed in
                                             the step in progress (one device-to-host copy)
-    scales.close_step(taken=...)            after it: the step's amaxes MAX-reduced across ranks (one collective),
-                                            overflow / clip counters, and the histories advanced (a taken step) or
+    scales.close_step(taken=...)            after it: the step's amaxes and overflow / clip flags MAX-reduced
+                                            across ranks (one collective), the counters (identical on every rank:
+                                            an event on any rank counts on all), and the histories advanced (a taken step) or
                                             left as they were (a rejected one: it leaves no trace in the scales)
 
 `close_step` stacks every layer's [3, L+1] history into one [layers, 3, L+1] tensor, applies
@@ -63,7 +64,11 @@ class ModelScales:
         stacked = torch.stack(histories)
         constants = self._recipe_constants(stacked.device)
         clean, overflow, clip = step_flags(stacked, **constants)
-        all_reduce_max_([clean])  # every rank advances with the same amaxes, so every rank has the same scales
+        # one collective: every rank advances with the same amaxes (so every rank has the same scales) and counts
+        # the same overflows and clips (an event on any rank counts on all, so their FP8 metadata stays identical)
+        events = torch.stack([overflow, clip]).to(torch.float32)
+        all_reduce_max_([clean, events])
+        overflow, clip = events[0] > 0, events[1] > 0
         advanced = advance_history(stacked, clean, taken)
         torch._foreach_copy_(histories, list(advanced.unbind(0)))
         torch._foreach_add_([m.overflow_count for m in metas], list(overflow.to(torch.int64).unbind(0)))

@@ -16,7 +16,9 @@ from torch import nn
 from lightning_fp8.conversion.convert import convert_to_fp8
 from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import log_conversion_summary
+from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.engine.engine import FP8TrainingEngine
+from lightning_fp8.integrations._distributed import adopt_sharded_module, convert_for_fsdp
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
@@ -64,6 +66,8 @@ class FP8PrecisionCore:
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
+        if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace now
+            return adopt_sharded_module(self, module)
         module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
                                 verbose=False)
         if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
@@ -74,6 +78,13 @@ class FP8PrecisionCore:
         self._module = module
         self.engine.attach(module)
         return module
+
+    def convert_for_fsdp(self, module: nn.Module) -> nn.Module:
+        """Convert `module` for FSDP2 sharding: call it BEFORE `fully_shard` (in a LightningModule's configure_model, in
+        Fabric's parallelize function). It converts as `convert_module` does and, with fp8_all_gather=True, makes
+        FSDP2 all-gather the FP8 layers' weights in FP8 (docs/distributed.md). FSDP2 fixes the modules it shards,
+        so a model sharded unconverted cannot be converted afterwards."""
+        return convert_for_fsdp(self, module)
 
     def _device_type(self) -> str:
         if self._module is not None:

@@ -21,6 +21,7 @@ from lightning_fp8.presets import get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
+GRADIENT_COMMUNICATION_CHOICES = ("bf16", "fp8")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -45,6 +46,14 @@ class FP8Options:
     fp8_eval: run evaluation forwards in FP8 too (True) or in compute_dtype (False).
     layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: the layers that compute with
         another recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}).
+    fp8_all_gather: under FSDP2, all-gather the weights of FP8 layers in FP8 (1 byte per element instead of 2), each
+        rank casting its shard with the scale all ranks share; applies to layers with a per-tensor recipe (delayed or
+        current scaling), others gather in high precision (docs/distributed.md says which and why). No effect
+        without FSDP2.
+    gradient_communication: "bf16" leaves gradient reduction to the framework, in high precision (DDP reduces in the
+        gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in FP8 with a
+        scale shared across ranks (FP8-LM's automatic scaling: DDP through a comm hook, FSDP2 through a custom
+        reduce-scatter), half the bytes of a BF16 reduction.
     """
 
     recipe: Optional[FP8Recipe] = None
@@ -66,6 +75,8 @@ class FP8Options:
     compute_dtype: Union[str, torch.dtype] = "bf16"
     fp8_eval: bool = True
     layer_recipes: Optional[LayerRecipes] = None
+    fp8_all_gather: bool = True
+    gradient_communication: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +94,13 @@ class FP8Options:
             )
         resolve_compute_dtype(self.compute_dtype)
         normalize_layer_recipes(self.layer_recipes)  # raises naming what a layer_recipes entry must be
+        if self.gradient_communication not in GRADIENT_COMMUNICATION_CHOICES:
+            raise ValueError(
+                f"gradient_communication={self.gradient_communication!r} is not valid; valid choices: "
+                f"{list(GRADIENT_COMMUNICATION_CHOICES)}"
+            )
+        if not isinstance(self.fp8_all_gather, bool):
+            raise ValueError(f"fp8_all_gather must be True or False, got {self.fp8_all_gather!r}")
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
 
@@ -109,4 +127,4 @@ def resolve_compute_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
     raise ValueError(f"compute_dtype={value!r} is not valid; valid choices: {list(COMPUTE_DTYPES)}")
 
 
-__all__ = ["FP8Options", "OPTIMIZER_STATE_CHOICES", "COMPUTE_DTYPES", "option_names", "resolve_compute_dtype"]
+__all__ = ["FP8Options", "OPTIMIZER_STATE_CHOICES", "GRADIENT_COMMUNICATION_CHOICES", "COMPUTE_DTYPES", "option_names", "resolve_compute_dtype"]

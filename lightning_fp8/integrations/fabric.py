@@ -13,6 +13,13 @@ training mode (`forward_context`) and a backward (`pre_backward`) start one; the
 boundaries, or at `fabric.save` (`state_dict`). Fabric never hands the plugin its optimizers or LR schedulers: the
 engine meets each optimizer at its first step (then it joins the rollback snapshot with the state it had before that
 step), and LR schedulers must be registered (`plugin.register_lr_scheduler(scheduler)`) to roll back with them.
+
+Distributed training (docs/distributed.md): with ModelParallelStrategy (FSDP2) call
+`precision.convert_for_fsdp(module)` first in your parallelize function (FP8 all-gather of the weights), and resume a
+sharded checkpoint with `lightning_fp8.fabric.load_checkpoint(fabric, path, state)`: `fabric.load` hands a sharded
+checkpoint's plugin state back as a plain dict instead of loading it. With DDP and gradient_communication="fp8",
+call `precision.setup_gradient_communication(model)` after `fabric.setup`: Fabric never shows a precision plugin its
+DDP wrapper.
 """
 from __future__ import annotations
 
@@ -26,7 +33,9 @@ from torch.optim import Optimizer
 
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
+from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations._distributed import register_gradient_communication, warn_if_gathered_in_high_precision
 from lightning_fp8.integrations._options import FP8Options, option_names
 from lightning_fp8.recipe import FP8Recipe
 
@@ -36,7 +45,8 @@ _OPTION_NAMES = frozenset(option_names())
 class FP8Precision(FP8PrecisionCore, Precision):
     """Fabric precision plugin; the arguments are those of `lightning_fp8.FP8Precision` (the Trainer plugin), except
     that optimizer_state="fp8" is refused: Fabric sets up the optimizer you build, so build
-    `lightning_fp8.optim.FP8AdamW` directly."""
+    `lightning_fp8.optim.FP8AdamW` directly. fp8_all_gather and gradient_communication: see the module docstring
+    for the calls they need under FSDP2 and DDP."""
 
     def __init__(
         self,
@@ -60,6 +70,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
         compute_dtype: Union[str, torch.dtype] = "bf16",
         fp8_eval: bool = True,
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
+        fp8_all_gather: bool = True,
+        gradient_communication: str = "bf16",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
         if self.optimizer_state != "fp32":
@@ -80,6 +92,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         return self._model_forward_context(self._module is not None and self._module.training, True)
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
+        self._check_distributed_setup()
         return self.engine.scale_loss(tensor)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -94,8 +107,56 @@ class FP8Precision(FP8PrecisionCore, Precision):
         self.engine.step(optimizer, step)
         return result.get("out")
 
+    # -- distributed training --------------------------------------------------------------------------------------
+    def setup_gradient_communication(self, model: Module) -> None:
+        """With gradient_communication="fp8" under DDP: register the FP8 comm hook on the model `fabric.setup` returned
+        (FSDP2 needs no call: the plugin installs the FP8 reduce-scatter on the sharded model at the first backward)."""
+        module = getattr(model, "_forward_module", model)  # a _FabricModule's DDP wrapper
+        self._fp8_comm_ready = register_gradient_communication(self.options, module)
+
+    def _check_distributed_setup(self) -> None:
+        """Once, at the first backward (Fabric has sharded or wrapped the model by then): under FSDP2 the FP8
+        reduce-scatter (gradient_communication="fp8") and a warning if FP8 all-gather was not set up; under DDP an
+        error naming the call gradient_communication="fp8" needs (the gradients would be reduced in BF16 instead)."""
+        if getattr(self, "_distributed_checked", False) or self._module is None:
+            return
+        self._distributed_checked = True
+        if is_fsdp_sharded(self._module):
+            warn_if_gathered_in_high_precision(self, self._module)
+            register_gradient_communication(self.options, self._module)
+        elif (self.options.gradient_communication == "fp8" and not getattr(self, "_fp8_comm_ready", False)
+              and torch.distributed.is_available() and torch.distributed.is_initialized()
+              and torch.distributed.get_world_size() > 1):
+            self._distributed_checked = False
+            raise RuntimeError(
+                "lightning_fp8: gradient_communication='fp8' under DDP needs "
+                "`precision.setup_gradient_communication(model)` after `model = fabric.setup(model)` (Fabric does not "
+                "show a precision plugin its DDP wrapper)."
+            )
+
     # state_dict / load_state_dict come from FP8PrecisionCore (first in the MRO): `fabric.save(path, {"fp8": plugin})`
     # stores and restores the engine state through them (Fabric's Stateful protocol).
 
 
-__all__ = ["FP8Precision"]
+def load_checkpoint(fabric: Any, path: Any, state: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:
+    """`fabric.load(path, state, **kwargs)` that also restores the stateful objects of `state` (the FP8Precision
+    plugin, LR schedulers: anything with `load_state_dict`).
+
+    Why: Fabric's ModelParallelStrategy loads a sharded (distributed checkpoint) directory by replacing every entry of
+    `state` that is neither a module nor an optimizer with the saved value, so `{"fp8": plugin}` comes back as the
+    plugin's state dict and the plugin itself (loss scale, counters, every layer's FP8 scales) is never restored; an
+    LR scheduler likewise. This loads each such object from what Fabric put in its place and puts the object back;
+    with other strategies fabric.load has done it already and nothing changes."""
+    stateful = {key: value for key, value in state.items() if callable(getattr(value, "load_state_dict", None))
+                and not isinstance(value, (Module, Optimizer))}
+    remainder = fabric.load(path, state, **kwargs)
+    for key, obj in stateful.items():
+        value = state[key]
+        if value is not obj:
+            if isinstance(value, dict):
+                obj.load_state_dict(value)
+            state[key] = obj
+    return remainder
+
+
+__all__ = ["FP8Precision", "load_checkpoint"]

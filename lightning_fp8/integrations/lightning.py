@@ -19,6 +19,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations._distributed import register_gradient_communication
 from lightning_fp8.integrations._options import FP8Options, option_names
 from lightning_fp8.recipe import FP8Recipe
 
@@ -50,6 +51,12 @@ class FP8Precision(FP8PrecisionCore, Precision):
         fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
         layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: layers that compute with another
             recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); `layer.recipe` is each layer's.
+        fp8_all_gather: with FSDP2 (ModelParallelStrategy), all-gather FP8 layers' weights in FP8: half the bytes of
+            a BF16 all-gather. Needs the model converted before fully_shard: call
+            `self.trainer.precision_plugin.convert_for_fsdp(module)` in configure_model (docs/distributed.md).
+        gradient_communication: "bf16" (the strategy's own gradient reduction, in high precision) or "fp8" (gradients
+            reduced in FP8 with a scale shared across ranks: a DDP comm hook, or FSDP2's reduce-scatter; half the
+            bytes of BF16).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
@@ -78,6 +85,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
         compute_dtype: Union[str, torch.dtype] = "bf16",
         fp8_eval: bool = True,
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
+        fp8_all_gather: bool = True,
+        gradient_communication: str = "bf16",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
 
@@ -117,6 +126,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     # -- optimizers ---------------------------------------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
+        register_gradient_communication(self.options, model)  # "fp8": DDP's comm hook / FSDP2's reduce-scatter
         if self.optimizer_state == "fp8":
             optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
         # every optimizer and LR scheduler of the run: one iteration steps them all, a rollback restores them all

@@ -26,6 +26,7 @@ from lightning_fp8 import kernels
 from lightning_fp8.modules.cast import cast_to_fp8, scaling_mode
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.gemm import fp8_gemm
+from lightning_fp8.modules.precast import PrecastFP8Weight
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.recipe import FP8Recipe
 
@@ -111,7 +112,9 @@ class FP8Gemms(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)
-            if kernels.materializes_transpose(weight):
+            if isinstance(weight, PrecastFP8Weight):  # gathered in FP8 (FSDP2): the data of this pass, its scale
+                w_b, w_scale_inv = weight.dgrad_operand(kernels.materializes_transpose(weight))
+            elif kernels.materializes_transpose(weight):
                 w_b = cast_to_fp8(weight, w_scale, _fmt(cfg.weight_fmt), layout="t").t()
             else:
                 w_b = cast_to_fp8(weight, w_scale, _fmt(cfg.weight_fmt))

@@ -17,8 +17,9 @@ from torch import nn
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import scaled_cast, tiled_cast
-from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
+from lightning_fp8.modules.precast import PrecastFP8Weight, observed_weight, resolve_precast
 from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
@@ -116,6 +117,9 @@ class FP8Layer(nn.Module):
         autocast_state = current_state()
         recipe = autocast_state.recipe or self.recipe
         weight = self.fp8_weight()
+        # a weight FSDP2 all-gathered in FP8 stays FP8 only where this forward computes with that very cast
+        fp8 = self._fp8_enabled and autocast_state.enabled and not autocast_state.calibrating
+        weight = resolve_precast(weight, recipe, self.training, fp8)
         if autocast_state.calibrating:
             self._record_calibration(x, weight)
             return F.linear(x, weight, self.bias)
@@ -130,7 +134,7 @@ class FP8Layer(nn.Module):
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
         if observer is not None:
             observer("input", x)
-            observer("weight", weight)
+            observer("weight", observed_weight(weight))
         meta = self.fp8_meta
         x2d = x.reshape(-1, weight.shape[1])
         needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
@@ -143,7 +147,10 @@ class FP8Layer(nn.Module):
             return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and kernels.materializes_transpose(x2d)
         x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
-        w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
+        if isinstance(weight, PrecastFP8Weight):
+            w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
+        else:
+            w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
         cfg = GemmConfig.build(recipe, _output_dtype(x), training)
         out = apply_fp8_gemms(
             x2d, weight, self.bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.reference import adamw_step_
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
+from lightning_fp8.optim.sharded import adopt_sharded_state, init_sharded_state, is_sharded, sharded_step_
 from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
 
 MASTER_WEIGHTS = ("fp32", "bf16", "fp16")
@@ -56,7 +57,8 @@ class FP8AdamW(Optimizer):
             CUDA float32 parameters with an fp16/fp8 second moment; other parameters use the reference).
 
     Non-finite gradients are not checked (no host sync per step): the training engine does not call `step()`
-    on a step whose gradients are not finite. See reference.py.
+    on a step whose gradients are not finite. See reference.py. Sharded parameters (FSDP2's DTensors) are stepped
+    on their local shards with sharded state that distributed checkpoints save and load (sharded.py).
     """
 
     def __init__(
@@ -132,6 +134,11 @@ class FP8AdamW(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("FP8AdamW does not support sparse gradients")
                 state = self.state[p]
+                if is_sharded(p):  # FSDP2: this rank's shard, sharded state (sharded.py)
+                    if len(state) == 0:
+                        state.update(init_sharded_state(p, group))
+                    sharded_step_(p, state, group, self._generator(p, group, state, index))
+                    continue
                 if len(state) == 0:
                     state.update(init_state(p, group))
                 if self.backend == "triton" and _triton_supports(p, state, group):
@@ -189,7 +196,8 @@ class FP8AdamW(Optimizer):
             p = id_map[key]
             group, saved_group = group_of[id(p)]
             if saved_state:
-                self.state[p] = adopt_state(p, group, saved_state, saved_group["block_size"])
+                adopt = adopt_sharded_state if is_sharded(p) else adopt_state
+                self.state[p] = adopt(p, group, saved_state, saved_group["block_size"])
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -238,6 +246,11 @@ def _apply_master_dtype(group: Dict[str, Any]) -> None:
     if dtype is None:
         return
     for p in group["params"]:
+        if is_sharded(p):
+            raise NotImplementedError(
+                f"FP8AdamW(master_weights={group['master_weights']!r}) changes the parameters' dtype, which FSDP2 "
+                "fixes when it shards: use master_weights='fp32' with sharded parameters (or shard bf16 parameters)."
+            )
         if p.is_floating_point() and p.dtype != dtype:
             with torch.no_grad():
                 p.data = p.data.to(dtype)

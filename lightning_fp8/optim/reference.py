@@ -17,12 +17,29 @@ are not finite; an optimizer step that is not called changes nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch
 
 from lightning_fp8.optim.rounding import stochastic_round
 from lightning_fp8.optim.state import State, is_compressed, read_moments, write_moments
+
+
+class MomentCodec(Protocol):
+    """Where the compressed moments of a state are read from and written to (the default: state.py's flat layout;
+    sharded parameters use sharded.py's row-padded one)."""
+
+    def read(self, state: State, shape: torch.Size, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write(self, state: State, m: torch.Tensor, v: torch.Tensor, block_size: int, exp_avg_sq_dtype: str,
+              generator: Optional[torch.Generator]) -> None: ...
+
+
+class FlatMoments:
+    """state.py's layout: the moments flattened, in blocks of block_size consecutive elements."""
+
+    read = staticmethod(read_moments)
+    write = staticmethod(write_moments)
 
 
 @torch.no_grad()
@@ -32,11 +49,12 @@ def adamw_step_(
     state: State,
     group: Dict[str, Any],
     generator: Optional[torch.Generator] = None,
+    codec: MomentCodec = FlatMoments(),
 ) -> None:
     """One AdamW step of `param` (in place) and its `state` (in place).
 
     `generator` draws the stochastic rounding noise (bf16/fp16 master weights, bf16 and fp8 second moments); it must be
-    given whenever one of those is in use.
+    given whenever one of those is in use. `codec`: the layout of compressed moments (see MomentCodec).
     """
     lr = _as_float(group["lr"])
     beta1, beta2 = (_as_float(b) for b in group["betas"])
@@ -59,7 +77,7 @@ def adamw_step_(
             grad = grad.add(master, alpha=weight_decay)
 
     compressed = is_compressed(state)
-    exp_avg, exp_avg_sq = read_moments(state, param.shape, group["block_size"])
+    exp_avg, exp_avg_sq = codec.read(state, param.shape, group["block_size"])
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
@@ -76,11 +94,11 @@ def adamw_step_(
         else:
             param.copy_(master)
     if compressed:
-        write_moments(state, exp_avg, exp_avg_sq, group["block_size"], group["exp_avg_sq_dtype"], generator)
+        codec.write(state, exp_avg, exp_avg_sq, group["block_size"], group["exp_avg_sq_dtype"], generator)
 
 
 def _as_float(x: Any) -> float:
     return float(x.item()) if torch.is_tensor(x) else float(x)
 
 
-__all__ = ["adamw_step_"]
+__all__ = ["adamw_step_", "MomentCodec", "FlatMoments"]

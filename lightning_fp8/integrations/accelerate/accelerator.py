@@ -43,14 +43,15 @@ from torch import nn
 from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
 from lightning_fp8.integrations.accelerate.forward import wrap_forward
 from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer, inner_optimizer
 from lightning_fp8.modules.autocast import fp8_autocast
 
-#: distributed types the adapter supports: one process, or DDP (gloo on CPU, NCCL on GPU)
-SUPPORTED_DISTRIBUTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+#: distributed types the adapter supports: one process, DDP (gloo on CPU, NCCL on GPU), FSDP2 (fsdp_version=2)
+SUPPORTED_DISTRIBUTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
 #: key in AcceleratorState's shared state recording that its "no" is really "fp8" run by this engine, so a second
 #: FP8Accelerator in the same process (AcceleratorState is a singleton) resolves to the same precision
 _SHARED_STATE_FLAG = "_lightning_fp8"
@@ -111,6 +112,7 @@ class FP8AcceleratorMixin:
                 f"{type(self).__name__}(mixed_precision='fp8') supports distributed types "
                 f"{[t.value for t in SUPPORTED_DISTRIBUTED_TYPES]}, not {self.distributed_type.value}"
             )
+        check_fsdp_version(self)
         AcceleratorState._shared_state[_SHARED_STATE_FLAG] = True
         self.fp8_enabled = True
         # registered first, so it is always custom_checkpoint_0 whatever the user registers after
@@ -170,7 +172,41 @@ class FP8AcceleratorMixin:
         fp8_eval = core.fp8_eval
         # a training forward starts an iteration (the engine closes the previous one before amaxes are recorded)
         wrap_forward(model, lambda training: core._model_forward_context(training, training or fp8_eval))
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        return self._fp8_communicate(super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode))
+
+    def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None):
+        """Accelerate's prepare; under FSDP2 the FP8 model is converted (with FP8 all-gather weights) before Accelerate
+        shards it, and its FP8 gradient reduce-scatter installed after (Accelerate's FSDP2 path never calls
+        prepare_model)."""
+        fsdp2 = self._fp8_core is not None and self.is_fsdp2
+        if fsdp2:
+            args = tuple(self._fp8_prepare_fsdp2_model(obj) if isinstance(obj, nn.Module) else obj for obj in args)
+        result = super().prepare(*args, device_placement=device_placement)
+        if fsdp2:
+            for obj in result if isinstance(result, tuple) else (result,):
+                if isinstance(obj, nn.Module):
+                    self._fp8_communicate(obj)
+        return result
+
+    def _fp8_prepare_fsdp2_model(self, model: nn.Module) -> nn.Module:
+        """prepare_model's FP8 part on Accelerate's FSDP2 path: conversion and FP8 all-gather weights before
+        Accelerate's fully_shard, the forward inside the FP8 context (keep in step with prepare_model)."""
+        core = self._fp8_core
+        if getattr(model, "_is_accelerate_prepared", False):
+            return model
+        if self._fp8_model is not None and model is not self._fp8_model:
+            raise NotImplementedError(f"{type(self).__name__}(mixed_precision='fp8') trains one model in FP8 per accelerator.")
+        model = convert_for_fsdp(core, model)
+        self._fp8_model = model
+        fp8_eval = core.fp8_eval
+        wrap_forward(model, lambda training: core._model_forward_context(training, training or fp8_eval))
+        return model
+
+    def _fp8_communicate(self, model: nn.Module) -> nn.Module:
+        """gradient_communication="fp8": the FP8 comm hook on the DDP wrapper, the FP8 reduce-scatter on FSDP2 units."""
+        if self._fp8_core is not None:
+            register_gradient_communication(self._fp8_core.options, model)
+        return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
         core = self._fp8_core
@@ -309,6 +345,16 @@ class FP8Accelerator(FP8AcceleratorMixin, Accelerator):
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
+def check_fsdp_version(accelerator: Accelerator) -> None:
+    """FSDP1 (FullyShardedDataParallel wrappers) is not supported: FP8 layers, their all-gather and the engine's
+    sharded-state handling are built on FSDP2's per-parameter DTensor sharding."""
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise NotImplementedError(
+            f"{type(accelerator).__name__}(mixed_precision='fp8') supports FSDP through FSDP2 only: pass "
+            "FullyShardedDataParallelPlugin(fsdp_version=2) (or fsdp_version: 2 in the accelerate config)."
+        )
+
+
 def _resolve_mixed_precision(value: Any) -> str:
     """What Accelerate would resolve mixed precision to, read before its AcceleratorState exists (which would raise
     on "fp8" without an FP8 backend)."""

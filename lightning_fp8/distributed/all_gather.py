@@ -1,0 +1,290 @@
+"""FP8 all-gather of FP8 layers' weights under FSDP2: each rank casts its shard, the all-gather moves 1 byte/element.
+
+How it plugs into FSDP2 (`torch.distributed.fsdp.fully_shard`), through the all-gather extension FSDP2 offers to
+tensor subclasses (the same hooks in torch 2.11 and 2.13):
+
+- `enable_fp8_all_gather(model)`, called after conversion and BEFORE `fully_shard` (FSDP2 reads the extension when
+  it shards), wraps the weight of every eligible FP8 layer in an `FP8AllGatherWeight`: the high-precision tensor
+  (the fp32 master) behaving as itself everywhere (optimizer, checkpoints, state_dict), plus the two hooks.
+- `fsdp_pre_all_gather`, before each unshard: the scale every rank computes identically, `cast_scale` of the
+  layer's weight history (identical on all ranks: the engine all-reduces it at each step's close) and of the full
+  weight's amax (one 4-byte MAX all-reduce of the shards' amaxes per layer and forward; backward re-gathers reuse the
+  forward's, the weights cannot have changed in between). Then the shard is cast straight from its fp32 values
+  (one rounding, the bytes a DDP run's cast of the whole weight produces) and handed to FSDP2 as uint8 (collectives
+  do not take float8 dtypes: gloo rejects them).
+- `fsdp_post_all_gather` wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
+  FP8 layer feeds its data and scale to the forward and dgrad GEMMs without casting again, and every path that does
+  not compute in FP8 with that cast (fp8_autocast(enabled=False), fp8_eval=False, a layer FP8LayerFallback moved to
+  BF16, calibration, a recipe override) gets the exact high-precision weight through `_HighPrecisionGather`, one
+  all-gather of the shard in FSDP2's param_dtype: what FSDP2 would have gathered without FP8 all-gather.
+
+Which layers: FP8 layers with a per-tensor recipe (delayed or current scaling: one scale for the whole weight can be
+agreed before the gather; fine-grained recipes scale tiles and keep their weight gathered in high precision), whose
+GEMM reads the weight Parameter itself (FP8Linear; transformers' Conv1D reads it transposed) and whose weight no
+other module uses (a tied embedding would read FP8 values). `fp8_all_gather_reason(layer)` says why a layer is not.
+Assumes FSDP2's default placement, Shard(0), on a 1-D mesh (HSDP is untested).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from lightning_fp8.conversion.convert import fp8_layers
+from lightning_fp8.modules.cast import cast_to_fp8
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX
+from lightning_fp8.modules.linear import FP8Layer
+from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
+from lightning_fp8.numerics.formats import get_format
+from lightning_fp8.numerics.quantize import tensor_amax
+from lightning_fp8.numerics.scaling import cast_scale
+
+aten = torch.ops.aten
+
+#: ops FSDP2 (and checkpoint code) apply to the weight while sharding and saving it, whose result is the same weight
+#: (a shard, a copy, a view): they keep the subclass so the sharded parameter still carries the hooks
+_PRESERVING_OPS = {
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.slice.Tensor, aten.narrow.default,
+    aten.copy_.default, aten.view.default, aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.clone.default, aten.detach.default, aten.alias.default,
+    aten.chunk.default,
+}
+#: the cast of a layer whose recipe has no per-tensor weight scale (its gathered FP8 copy is never read)
+_PLACEHOLDER_CAST = CastKey(fmt="e4m3", scaling="current", algo_max=True, margin=0, power_of_2=False)
+#: why a layer was left out of FP8 all-gather (set by enable_fp8_all_gather)
+_REASON_ATTR = "_fp8_all_gather_reason"
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A weight (and, once FSDP2 sharded it, this rank's shard of it) whose FSDP2 all-gather moves FP8 bytes.
+
+    Everywhere but FSDP2's all-gather it is the high-precision tensor it wraps: ops run on that tensor (in-place ones
+    update it), and it pickles as that tensor, so checkpoints hold plain tensors and load with weights_only=True into
+    models with or without FP8 all-gather."""
+
+    _tensor: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor) -> "FP8AllGatherWeight":
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
+            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        #: the full weight's amax of the last forward gather, reused by backward re-gathers (same weights)
+        self._gathered_amax: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self._tensor!r})"
+
+    def __reduce_ex__(self, protocol):
+        return self._tensor.__reduce_ex__(protocol)
+
+    def data_ptr(self) -> int:  # frameworks that map parameters by storage address (Accelerate's FSDP2 prepare)
+        return self._tensor.data_ptr()
+
+    def untyped_storage(self):
+        return self._tensor.untyped_storage()
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner["_tensor"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
+            FP8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {})
+        )
+        out = func(*unwrapped_args, **unwrapped_kwargs)
+        if func._schema.name.endswith("_") and args and isinstance(args[0], FP8AllGatherWeight):
+            return args[0]  # an in-place op returns its (updated) self
+        if func in _PRESERVING_OPS:
+            return pytree.tree_map_only(torch.Tensor, FP8AllGatherWeight, out)
+        return out
+
+    # -- FSDP2's all-gather extension -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def fsdp_pre_all_gather(self, mesh, outer_size: torch.Size, outer_stride, module: nn.Module, mp_policy):
+        """(all-gather inputs, metadata): this shard cast to FP8 with the scale all ranks share, as uint8."""
+        layer = module
+        if not isinstance(layer, FP8Layer):
+            raise RuntimeError(f"lightning_fp8: an FP8AllGatherWeight belongs to a {type(layer).__name__}, not an FP8 layer")
+        group = _shard_group(mesh)
+        world = dist.get_world_size(group)
+        local = self._tensor
+        if tuple(local.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError(
+                "lightning_fp8: FP8 all-gather supports FSDP2's default Shard(0) placement only; this weight is sharded "
+                f"as {tuple(local.shape)} of {tuple(outer_size)}. Use fp8_all_gather=False for this model."
+            )
+        record = layer.training
+        cast_key = CastKey.of(layer.recipe, record)
+        if cast_key is None:
+            # the layer's recipe became fine-grained after sharding (FP8LayerFallback's escalation): its forward
+            # takes the exact high-precision gather instead (the keys cannot match); these bytes go unused
+            cast_key = _PLACEHOLDER_CAST
+        fmt = get_format(cast_key.fmt)
+        amax = self._full_amax(local, group)
+        history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
+        scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
+                           cast_key.power_of_2)
+        padded_rows = math.ceil(outer_size[0] / world)
+        if local.shape[0] != padded_rows:  # uneven sharding: every rank sends the padded shard size
+            padded = local.new_zeros((padded_rows, *local.shape[1:]))
+            padded[: local.shape[0]].copy_(local)
+            local = padded
+        data = cast_to_fp8(local, scale, fmt)
+        meta = _GatherMeta(scale, amax, cast_key, fmt.dtype, group, int(outer_size[0]), padded_rows)
+        return (data.view(torch.uint8),), meta
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, all_gather_outputs: Tuple[torch.Tensor, ...], metadata: "_GatherMeta",
+                             param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
+        """The unsharded weight: a PrecastFP8Weight over the gathered bytes (FSDP2 narrows the padding away)."""
+        (data,) = all_gather_outputs
+        if out is not None:  # FSDP2 re-gathered into the same buffers: only the cast's scale, amax and key can differ
+            out.update(metadata.scale, metadata.amax, metadata.cast_key)
+            out._source.shard = self  # the shard FSDP2 holds now (a load may have replaced the tensor object)
+            return None
+        source = _ShardSource(self, metadata.group, metadata.rows, metadata.padded_rows, param_dtype)
+        weight = PrecastFP8Weight(data.view(metadata.fp8_dtype), metadata.scale.clone(), metadata.amax.clone(),
+                                  metadata.cast_key, source, param_dtype)
+        return weight, (data,)
+
+    def _full_amax(self, local: torch.Tensor, group) -> torch.Tensor:
+        """max |W| over every rank's shard: one MAX all-reduce in a forward; a backward re-gather (weights unchanged
+        since its forward) reuses it, which keeps every rank's collectives in the same order."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._gathered_amax is not None:
+            return self._gathered_amax
+        amax = tensor_amax(local).reshape(1)
+        amax = torch.where(torch.isnan(amax), math.inf, amax)  # NaN can lose a MAX reduction (gloo drops it); inf wins
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        self._gathered_amax = amax.reshape(())
+        return self._gathered_amax
+
+
+@dataclass
+class _GatherMeta:
+    scale: torch.Tensor
+    amax: torch.Tensor
+    cast_key: CastKey
+    fp8_dtype: torch.dtype
+    group: Any
+    rows: int
+    padded_rows: int
+
+
+class _ShardSource:
+    """The exact high-precision weight behind a PrecastFP8Weight: a high-precision all-gather of this rank's shard."""
+
+    def __init__(self, shard: FP8AllGatherWeight, group, rows: int, padded_rows: int, dtype: torch.dtype) -> None:
+        self.shard, self.group, self.rows, self.padded_rows, self.dtype = shard, group, rows, padded_rows, dtype
+
+    def high_precision(self, weight: PrecastFP8Weight) -> torch.Tensor:
+        return _HighPrecisionGather.apply(weight, self)
+
+    def local_high_precision(self) -> torch.Tensor:
+        return self.shard._tensor
+
+    @torch.no_grad()
+    def gather(self) -> torch.Tensor:
+        local = self.shard._tensor.to(self.dtype)
+        world = dist.get_world_size(self.group)
+        padded = local.new_zeros((self.padded_rows, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        out = local.new_empty((world * self.padded_rows, *local.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=self.group)
+        return out[: self.rows]
+
+
+class _HighPrecisionGather(torch.autograd.Function):
+    """The high-precision weight from the shards, standing in for the precast weight in autograd: its gradient is the
+    gradient of the unsharded parameter, which FSDP2 reduce-scatters as usual."""
+
+    @staticmethod
+    def forward(ctx, weight: PrecastFP8Weight, source: _ShardSource) -> torch.Tensor:
+        return source.gather()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _shard_group(mesh):
+    """The process group FSDP2 shards over (a 1-D mesh's group; for a 2-D HSDP mesh, its shard dimension)."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(mesh.ndim - 1)
+
+
+# -- model level --------------------------------------------------------------------------------------------------
+def fp8_all_gather_reason(layer: nn.Module) -> Optional[str]:
+    """Why `layer` gathers its weight in high precision (None: it gathers in FP8, or enable_fp8_all_gather has not run)."""
+    return layer.__dict__.get(_REASON_ATTR)
+
+
+def _ineligible_reason(layer: FP8Layer, fqn: str, users: Dict[int, int]) -> Optional[str]:
+    weight = layer.weight
+    if layer.recipe.scaling not in ("delayed", "current"):
+        return (f"recipe scaling {layer.recipe.scaling!r} scales tiles of the weight: FP8 all-gather needs one scale "
+                "per tensor (delayed or current scaling)")
+    if layer.fp8_weight() is not weight:
+        return "its GEMM reads the weight transposed (fp8_weight() is not the weight Parameter)"
+    if users.get(id(weight), 0) > 1:
+        return "its weight is shared with another module (tied weights would read FP8 values)"
+    if weight.dim() != 2 or not weight.is_floating_point():
+        return f"weight of shape {tuple(weight.shape)} / {weight.dtype} is not a 2-D floating-point matrix"
+    return None
+
+
+def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
+    """Make FSDP2 all-gather the weights of `model`'s FP8 layers in FP8. Call after conversion, before `fully_shard`.
+
+    Returns {layer fqn: None (FP8 all-gather) or the reason it stays in high precision}. Calling it again is a
+    no-op for layers already enabled. The weight Parameters are replaced by new Parameters over the same data
+    (FSDP2 replaces them again when it shards), so build optimizers afterwards, as FSDP2 requires anyway."""
+    from lightning_fp8.distributed.sharding import is_fsdp_sharded
+
+    if is_fsdp_sharded(model):
+        raise RuntimeError(
+            "lightning_fp8: enable_fp8_all_gather must run before fully_shard: FSDP2 reads the weights' all-gather "
+            "extension when it shards them. Convert and enable first, then call fully_shard."
+        )
+    users: Dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        users[id(p)] = users.get(id(p), 0) + 1
+    decisions: Dict[str, Optional[str]] = {}
+    for fqn, layer in fp8_layers(model).items():
+        if isinstance(layer.weight, FP8AllGatherWeight):
+            decisions[fqn] = None
+            continue
+        reason = _ineligible_reason(layer, fqn, users)
+        decisions[fqn] = reason
+        if reason is not None:
+            layer.__dict__[_REASON_ATTR] = reason
+            continue
+        layer.__dict__.pop(_REASON_ATTR, None)
+        weight = layer.weight
+        layer.weight = nn.Parameter(FP8AllGatherWeight(weight.detach()), requires_grad=weight.requires_grad)
+    return decisions
+
+
+def uses_fp8_all_gather(layer: nn.Module) -> bool:
+    """Whether `layer`'s weight (sharded or not) gathers in FP8."""
+    weight = getattr(layer, "weight", None)
+    if weight is None:
+        return False
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return isinstance(local, FP8AllGatherWeight)
+
+
+__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_reason", "uses_fp8_all_gather"]

@@ -1,0 +1,133 @@
+"""FP8 gradient communication for DistributedDataParallel: a comm hook that averages gradient buckets in FP8.
+
+    from lightning_fp8.distributed import FP8CommState, fp8_comm_hook
+    ddp_model.register_comm_hook(FP8CommState(), fp8_comm_hook)
+
+The plugins register it themselves with `gradient_communication="fp8"` (docs/distributed.md). Per bucket of N
+gradient elements on W ranks (the numerics: fp8_reduce.py):
+
+1. the amax of each parameter's gradient in the bucket (`scaling="per_tensor"`, FP8-LM's choice: a layer with small
+   gradients is not flushed by a neighbour's large ones) or of the whole bucket ("per_bucket"), one MAX all-reduce
+   of those few floats, and the shared scales;
+2. the bucket cast to FP8 with them, and moved as uint8:
+   - "all_gather": every rank gathers every rank's FP8 bucket and sums in float32: N (W-1) bytes sent per rank,
+     one rounding. Cheapest for W = 2 (a BF16 all-reduce sends 2 x 2N (W-1)/W = 2N at W = 2: ratio 0.5);
+   - "all_to_all": a reduce-scatter made of an all-to-all of FP8 chunks, a float32 sum of the chunk each rank owns,
+     the mean re-cast with the same scale (|mean| <= amax, so it cannot overflow) and an FP8 all-gather of the means:
+     2N (W-1)/W bytes, half of BF16's 4N (W-1)/W at any W, two roundings;
+   - "auto": "all_gather" for W <= 2, else "all_to_all";
+3. the average written back into the bucket; NaN everywhere if any rank's bucket held inf / NaN (the engine then
+   skips the step on every rank).
+
+No host synchronisation: the amax all-reduce is issued in stream order and the rest is chained on the collective's
+future. Why this module has no `from __future__ import annotations`: DDP checks the hook's annotations by value
+(`torch.futures.Future[torch.Tensor]`), and strings would fail that check.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_fp8.distributed.fp8_reduce import decode_sum, elementwise, encode, local_amaxes, poison_if, shared_scales
+from lightning_fp8.numerics.formats import get_format
+
+COMM_FORMATS = ("e4m3", "e5m2")
+COMM_SCALINGS = ("per_tensor", "per_bucket")
+COMM_ALGORITHMS = ("auto", "all_gather", "all_to_all")
+
+
+@dataclass
+class FP8CommState:
+    """Settings of `fp8_comm_hook` (also used by the FSDP2 reduce-scatter, reduce_scatter.py).
+
+    process_group: the group to average over (None: the default group, what DDP uses by default).
+    fmt: "e4m3" (default: with a scale shared per tensor, range is not what limits a gradient's precision, and E4M3
+        has one more mantissa bit) or "e5m2".
+    scaling: "per_tensor" (default) or "per_bucket" (one scale for the whole bucket; FSDP2 always uses one per
+        reduce-scatter call, see reduce_scatter.py).
+    algorithm: "auto", "all_gather" or "all_to_all" (see the module docstring for what each sends).
+    margin: scale = fp8_max / amax / 2**margin.
+    """
+
+    process_group: Optional[dist.ProcessGroup] = None
+    fmt: str = "e4m3"
+    scaling: str = "per_tensor"
+    algorithm: str = "auto"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        for name, choices in (("fmt", COMM_FORMATS), ("scaling", COMM_SCALINGS), ("algorithm", COMM_ALGORITHMS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"FP8CommState({name}={getattr(self, name)!r}) is not valid; valid choices: {list(choices)}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"FP8CommState(margin={self.margin!r}) must be an int >= 0")
+
+    def resolved_algorithm(self, world_size: int) -> str:
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "all_gather" if world_size <= 2 else "all_to_all"
+
+
+def fp8_comm_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket averaged over the ranks in FP8 with shared scales (see the module docstring)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    fmt = get_format(state.fmt)
+    buffer = bucket.buffer()
+    grads = bucket.gradients() if state.scaling == "per_tensor" else [buffer]
+    numels = [g.numel() for g in grads]
+    if sum(numels) != buffer.numel():  # a bucket laid out with gaps: one scale for the whole buffer
+        grads, numels = [buffer], [buffer.numel()]
+    scales, nonfinite = shared_scales(local_amaxes(grads), fmt, state.margin, group)
+    scale = scales[0] if len(numels) == 1 else elementwise(scales, numels, buffer.numel())
+    flat = buffer.reshape(-1)
+    if state.resolved_algorithm(world) == "all_gather":
+        return _average_by_all_gather(flat, buffer, scale, nonfinite, fmt, world, group)
+    return _average_by_all_to_all(flat, buffer, scale, nonfinite, fmt, world, group)
+
+
+def _average_by_all_gather(flat, buffer, scale, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
+    sent = encode(flat, scale, fmt)
+    received = torch.empty(world * sent.numel(), dtype=torch.uint8, device=sent.device)
+    work = dist.all_gather_into_tensor(received, sent, group=group, async_op=True)
+
+    def average(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed collective
+        mean = decode_sum(received, world, scale, fmt) / world
+        buffer.copy_(poison_if(mean, nonfinite).reshape(buffer.shape))
+        return buffer
+
+    return work.get_future().then(average)
+
+
+def _average_by_all_to_all(flat, buffer, scale, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
+    n = flat.numel()
+    chunk = math.ceil(n / world)
+    padded = flat.new_zeros(world * chunk, dtype=torch.float32)
+    padded[:n] = flat
+    full_scale = scale
+    if scale.dim():
+        full_scale = torch.cat([scale, scale.new_ones(world * chunk - n)])
+    sent = encode(padded, full_scale, fmt)
+    received = torch.empty_like(sent)
+    # issued from the hook itself, not from a future's callback: collectives stay in this thread's order (and in
+    # the caller's stream on NCCL, where the call returns once enqueued)
+    dist.all_to_all_single(received, sent, group=group)
+    rank = dist.get_rank(group)
+    own_scale = full_scale[rank * chunk:(rank + 1) * chunk] if full_scale.dim() else full_scale
+    mean = decode_sum(received, world, own_scale, fmt) / world  # this rank's chunk, averaged in float32
+    means = torch.empty(world * chunk, dtype=torch.uint8, device=received.device)
+    work = dist.all_gather_into_tensor(means, encode(mean, own_scale, fmt), group=group, async_op=True)
+
+    def average(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed collective
+        out = means.view(fmt.dtype).to(torch.float32) / full_scale
+        buffer.copy_(poison_if(out[:n], nonfinite).reshape(buffer.shape))
+        return buffer
+
+    return work.get_future().then(average)
+
+
+__all__ = ["FP8CommState", "fp8_comm_hook", "COMM_FORMATS", "COMM_SCALINGS", "COMM_ALGORITHMS"]

@@ -1,0 +1,134 @@
+"""What the adapters do for sharded and data-parallel training, shared by all three (each calls these at its own hook).
+
+    convert_for_fsdp(core, module)            before fully_shard: convert, then FP8 all-gather weights
+                                              (fp8_all_gather=True)
+    adopt_sharded_module(core, module)        the framework's own conversion call on a model already sharded:
+                                              nothing may be replaced any more; refuse an unconverted model,
+                                              otherwise attach the engine
+    register_gradient_communication(options, model)
+                                              gradient_communication="fp8": the DDP comm hook on a DDP wrapper,
+                                              the FP8 reduce-scatter on FSDP2 units; idempotent
+
+The numerics and the FSDP2 / DDP mechanics live in lightning_fp8/distributed; this module only decides when.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.conversion.convert import fp8_layers, plan_conversion
+from lightning_fp8.conversion.summary import log_conversion_summary
+from lightning_fp8.distributed.all_gather import enable_fp8_all_gather, fp8_all_gather_reason, uses_fp8_all_gather
+from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
+from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
+from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
+from lightning_fp8.integrations._options import FP8Options
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_fp8.integrations._core import FP8PrecisionCore
+
+#: set on a module whose gradient communication this package configured (DDP allows one comm hook per model)
+_REGISTERED_ATTR = "_lightning_fp8_gradient_communication"
+
+
+def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
+    """Convert `module` and (fp8_all_gather=True) make FSDP2 gather its FP8 layers' weights in FP8. Before
+    fully_shard: FSDP2 takes the modules and the all-gather extension as they are when it shards."""
+    if is_fsdp_sharded(module):
+        raise RuntimeError(
+            "lightning_fp8: convert_for_fsdp must run before fully_shard (FSDP2 keeps the modules and parameters it "
+            "sharded). Call it first in configure_model / your parallelize function, then fully_shard."
+        )
+    module = core.convert_module(module)
+    if core.options.fp8_all_gather:
+        decisions = enable_fp8_all_gather(module)
+        _log_all_gather(decisions)
+    return module
+
+
+def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
+    """The framework converts a model that fully_shard already sharded (Lightning's ModelParallelStrategy converts
+    after configure_model): refuse if layers would still convert, else take the model over as it is."""
+    if not fp8_layers(module):
+        # which layers would convert, without the first/last rule (it would trace a forward of the sharded model)
+        recipe = dataclasses.replace(core.recipe, keep_first_last_in_bf16=False)
+        pending = [fqn for fqn, reason in plan_conversion(module, recipe, core.module_filter).items() if reason is None]
+        check_convertible(module, pending)
+    warn_if_gathered_in_high_precision(core, module)
+    if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
+        from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+        log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
+    core._module = module
+    core.engine.attach(module)
+    return module
+
+
+def warn_if_gathered_in_high_precision(core: "FP8PrecisionCore", module: nn.Module) -> None:
+    """fp8_all_gather=True on a sharded model whose FP8 layers were converted without it (convert_module instead of
+    convert_for_fsdp before fully_shard): say so once, naming the call that would enable it."""
+    if not core.options.fp8_all_gather:
+        return
+    unexplained = [fqn for fqn, layer in fp8_layers(module).items()
+                   if not uses_fp8_all_gather(layer) and fp8_all_gather_reason(layer) is None]
+    if unexplained:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"lightning_fp8: {len(unexplained)} FP8 layers gather their weights in high precision under FSDP2 "
+            f"({', '.join(unexplained[:3])}{' ...' if len(unexplained) > 3 else ''}): they were converted without "
+            "FP8 all-gather. Convert with `precision.convert_for_fsdp(module)` before fully_shard to all-gather them "
+            "in FP8 (or pass fp8_all_gather=False to silence this)."
+        )
+
+
+def register_gradient_communication(options: FP8Options, model: nn.Module, state: Optional[FP8CommState] = None,
+                                    warn_unsupported: bool = True) -> bool:
+    """With gradient_communication="fp8": FP8 gradient reduction on `model` (a DDP wrapper: the comm hook; a model
+    with FSDP2 units: their reduce-scatter). True if `model` reduces gradients in FP8 afterwards; with several
+    processes and neither kind of model, a warning (warn_unsupported) says the option has no effect."""
+    if options.gradient_communication != "fp8":
+        return False
+    if getattr(model, _REGISTERED_ATTR, False):
+        return True
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        try:
+            model.register_comm_hook(state if state is not None else FP8CommState(), fp8_comm_hook)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "lightning_fp8: gradient_communication='fp8' registers a DDP comm hook, but this model has one "
+                "already (DDP allows one). Remove your hook, or use gradient_communication='bf16' and keep yours."
+            ) from error
+    elif is_fsdp_sharded(model):
+        enable_fp8_reduce_scatter(model, state)
+    else:
+        if warn_unsupported and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"lightning_fp8: gradient_communication='fp8' applies to DDP and FSDP2 (fully_shard); this "
+                f"{type(model).__name__} is neither, so its gradients are reduced as the strategy does."
+            )
+        return False
+    object.__setattr__(model, _REGISTERED_ATTR, True)
+    return True
+
+
+def _log_all_gather(decisions: Dict[str, Optional[str]]) -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    off: List[str] = [f"{fqn} ({reason})" for fqn, reason in decisions.items() if reason is not None]
+    on = len(decisions) - len(off)
+    message = f"lightning_fp8: FSDP2 all-gathers {on} FP8 layer weights in FP8"
+    if off:
+        message += f"; in high precision: {'; '.join(off[:5])}{' ...' if len(off) > 5 else ''}"
+    rank_zero_info(message)
+
+
+__all__ = ["convert_for_fsdp", "adopt_sharded_module", "register_gradient_communication",
+           "warn_if_gathered_in_high_precision"]

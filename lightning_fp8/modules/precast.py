@@ -1,0 +1,186 @@
+"""PrecastFP8Weight: a weight that reaches an FP8 layer already cast to FP8, with the scale it was cast with.
+
+Why it exists: under FSDP2 with FP8 all-gather (lightning_fp8/distributed/all_gather.py) every rank casts its shard
+of a weight to FP8 with one scale all ranks agree on, and the all-gather moves the FP8 bytes. The unsharded weight
+FSDP2 then puts on the layer for forward and backward is FP8 already: casting it again would round twice, and
+dequantizing it for a high-precision computation would compute from FP8-rounded values (about 4% off the BF16
+weight on a typical layer: a silent wrong answer). So the weight carries what each consumer needs and nothing
+reads it by accident:
+
+- the FP8 data and its quantization scale: what the forward GEMM and the dgrad GEMM take directly
+  (`fp8_operands`, `dgrad_operand`);
+- the full weight's amax, which a training cast records into the layer's history as `scaled_cast` would;
+- the parameters of the cast that produced it (`CastKey`), so the layer can tell whether it is the cast its recipe
+  asks for in this forward (a recipe override, an eval forward of a training gather, a recipe made finer at run
+  time all differ);
+- a source of the exact high-precision weight (a high-precision all-gather), which every other path uses:
+  `resolve` hands it out where the forward will not compute in FP8 with that cast.
+
+Any op on it other than a view raises: code that reads the weight without asking for one of the two forms would
+otherwise get a quietly dequantized result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from lightning_fp8.modules.cast import scaling_mode
+from lightning_fp8.recipe import FP8Recipe
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
+
+#: per-tensor scalings: one scale for the whole weight, which every rank can agree on before the all-gather
+PER_TENSOR_SCALINGS = ("delayed", "current")
+
+#: the ops that only view the data (FSDP2 builds the unsharded parameter with as_strided and detach)
+_VIEW_OPS = {aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default, aten._unsafe_view.default}
+
+
+@dataclass(frozen=True)
+class CastKey:
+    """Everything a per-tensor weight cast depends on besides the history and the amax: two casts with equal keys,
+    history and amax produce the same bytes."""
+
+    fmt: str
+    scaling: str  # "delayed" | "current" | "none" (the mode of this cast: evaluation casts use "current")
+    algo_max: bool
+    margin: int
+    power_of_2: bool
+
+    @staticmethod
+    def of(recipe: FP8Recipe, record: bool) -> Optional["CastKey"]:
+        """The key of the weight cast `recipe` makes (record: a training cast); None for recipes that do not scale
+        the weight per tensor."""
+        if recipe.scaling not in PER_TENSOR_SCALINGS:
+            return None
+        return CastKey(
+            fmt=recipe.format_for("weight").name,
+            scaling=scaling_mode(recipe, "weight", record),
+            algo_max=recipe.amax_compute_algo == "max",
+            margin=recipe.margin,
+            power_of_2=recipe.power_of_2_scales,
+        )
+
+
+class HighPrecisionSource(Protocol):
+    """Where a precast weight's exact high-precision values come from (the producer of the weight provides it)."""
+
+    def high_precision(self, weight: "PrecastFP8Weight") -> Tensor:
+        """The whole weight in `weight.dtype`, differentiable: its gradient is `weight`'s gradient."""
+
+    def local_high_precision(self) -> Tensor:
+        """The part of the weight this process holds, without communication (what observers sample)."""
+
+
+class PrecastFP8Weight(Tensor):
+    """A weight already cast to FP8: data + scale, presenting the shape and dtype of the high-precision weight (so
+    autograd gives it an ordinary gradient). See the module docstring for who reads what."""
+
+    _data: Tensor
+    _scale: Tensor
+    _amax: Tensor
+
+    @staticmethod
+    def __new__(cls, data: Tensor, scale: Tensor, amax: Tensor, cast_key: CastKey, source: HighPrecisionSource,
+                dtype: torch.dtype, requires_grad: bool = False) -> "PrecastFP8Weight":
+        return Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            device=data.device, requires_grad=requires_grad,
+        )
+
+    def __init__(self, data: Tensor, scale: Tensor, amax: Tensor, cast_key: CastKey, source: HighPrecisionSource,
+                 dtype: torch.dtype, requires_grad: bool = False) -> None:
+        self._data = data
+        # float32 0-d tensors shared by every view of this weight: FSDP2 re-gathers into the same buffers before
+        # backward and updates them in place (`update`), so every view sees the cast its data holds
+        self._scale = scale
+        self._amax = amax
+        self.cast_key = cast_key
+        self._source = source
+
+    def __repr__(self) -> str:  # no data access: printing must not fail
+        return (f"PrecastFP8Weight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype}, "
+                f"cast={self.cast_key})")
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale", "_amax"], (self.cast_key, self._source, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        cast_key, source, dtype = meta
+        return PrecastFP8Weight(inner["_data"], inner["_scale"], inner["_amax"], cast_key, source, dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEW_OPS and isinstance(args[0], PrecastFP8Weight):
+            src = args[0]
+            return PrecastFP8Weight(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.cast_key,
+                                    src._source, src.dtype)
+        names = [type(a).__name__ for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PrecastFP8Weight)]
+        raise RuntimeError(
+            f"lightning_fp8: {func} was called on a weight that FSDP2 all-gathered in FP8 ({names[0]}). Such a weight "
+            "is only read by its FP8 layer's forward (FP8 GEMMs, or the exact high-precision weight for every other "
+            "path); reading it elsewhere would see FP8-rounded values. If a module other than its FP8 layer uses this "
+            "weight (weight tying), or you need the weight during forward, turn FP8 all-gather off for it "
+            "(fp8_all_gather=False, or keep the layer out of FP8)."
+        )
+
+    # -- what the FP8 layer reads ----------------------------------------------------------------------------------
+    def matches(self, recipe: FP8Recipe, record: bool) -> bool:
+        """Whether this is the weight cast `recipe` would make in this forward (training: record=True)."""
+        return CastKey.of(recipe, record) == self.cast_key
+
+    def resolve(self, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
+        """This weight where the forward computes in FP8 with the same cast (fp8=True and `matches`); otherwise the
+        exact high-precision weight (one high-precision all-gather), never the FP8 values dequantized."""
+        if fp8 and self.matches(recipe, record):
+            return self
+        return self._source.high_precision(self)
+
+    def observed(self) -> Tensor:
+        """What observers sample for the weight: this process's part of it in high precision (no communication)."""
+        return self._source.local_high_precision()
+
+    @torch.no_grad()
+    def fp8_operands(self, history: Tensor, weight_role: int, record: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        """(w_fp8, scale, scale_inv) for the forward GEMM, as `scaled_cast` returns them; record=True accumulates the
+        full weight's amax into the role's open history slot, as the cast op would have."""
+        if record:
+            slot = history[weight_role, 0]
+            slot.copy_(torch.maximum(slot, self._amax))  # torch.maximum propagates NaN, as the cast op's record does
+        scale = self._scale.clone()  # copies: autograd saves them, and a re-gather updates the originals in place
+        return self._data, scale, scale.reciprocal()
+
+    def dgrad_operand(self, layout_t: bool) -> Tuple[Tensor, Tensor]:
+        """(W in FP8 in the layout the dgrad GEMM reads, scale_inv) from the data gathered for this pass: column-major
+        (a transposed copy, 1 byte per element) where the device's GEMM wants it (layout_t), else the data as is."""
+        data = self._data.t().contiguous().t() if layout_t else self._data
+        return data, self._scale.reciprocal()
+
+    @torch.no_grad()
+    def update(self, scale: Tensor, amax: Tensor, cast_key: CastKey) -> None:
+        """Adopt the scale, amax and cast of data re-gathered into this weight's buffers (FSDP2's later unshards)."""
+        self._scale.copy_(scale)
+        self._amax.copy_(amax)
+        self.cast_key = cast_key
+
+
+def resolve_precast(weight: Tensor, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
+    """`weight` unless it is a PrecastFP8Weight that this forward cannot consume as it is (see `resolve`)."""
+    if isinstance(weight, PrecastFP8Weight):
+        return weight.resolve(recipe, record, fp8)
+    return weight
+
+
+def observed_weight(weight: Tensor) -> Tensor:
+    """What an observer samples for `weight` (a precast weight's high-precision local part)."""
+    return weight.observed() if isinstance(weight, PrecastFP8Weight) else weight
+
+
+__all__ = ["PrecastFP8Weight", "CastKey", "HighPrecisionSource", "PER_TENSOR_SCALINGS", "resolve_precast",
+           "observed_weight"]

@@ -1,0 +1,110 @@
+"""Single-process parts of the FSDP2 / FP8 communication work: options, the pieces that need no process group.
+(The multi-process behaviour: tests/test_distributed.py.)"""
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fp8 import FP8Precision, convert_to_fp8
+from lightning_fp8.accelerate import FP8Kwargs
+from lightning_fp8.distributed import FP8AllGatherWeight, FP8CommState, enable_fp8_all_gather, uses_fp8_all_gather
+from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+from lightning_fp8.fabric import load_checkpoint
+from lightning_fp8.integrations.accelerate.accelerator import check_fsdp_version
+from lightning_fp8.modules.autocast import fp8_autocast
+
+
+@pytest.mark.parametrize("make", [FP8Precision, FabricFP8Precision, FP8Kwargs])
+def test_distributed_options_validated_with_the_valid_choices(make):
+    with pytest.raises(ValueError, match=r"\['bf16', 'fp8'\]"):
+        make(gradient_communication="fp16")
+    with pytest.raises(ValueError, match="fp8_all_gather"):
+        make(fp8_all_gather="yes")
+    options = make(gradient_communication="fp8", fp8_all_gather=False)
+    options = getattr(options, "options", options)
+    assert options.gradient_communication == "fp8" and options.fp8_all_gather is False
+
+
+def test_distributed_defaults():
+    options = FP8Precision().options
+    assert options.fp8_all_gather is True and options.gradient_communication == "bf16"
+
+
+@pytest.mark.parametrize("kwargs, match", [({"fmt": "e3m4"}, "e4m3"), ({"scaling": "per_layer"}, "per_tensor"),
+                                           ({"algorithm": "ring"}, "all_to_all"), ({"margin": -1}, "margin")])
+def test_comm_state_bad_values_name_the_choices(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8CommState(**kwargs)
+
+
+def test_comm_state_auto_algorithm():
+    assert FP8CommState().resolved_algorithm(2) == "all_gather"
+    assert FP8CommState().resolved_algorithm(8) == "all_to_all"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                         nn.Linear(64, 32))
+
+
+def test_fp8_all_gather_weight_is_its_tensor_outside_fsdp():
+    """Enabled but never sharded (a model built for FSDP2, evaluated in one process): the same results, plain
+    checkpoints (weights_only loading works, a model without FP8 all-gather loads them)."""
+    plain, wrapped = convert_to_fp8(_mlp(), verbose=False), convert_to_fp8(_mlp(), verbose=False)
+    decisions = enable_fp8_all_gather(wrapped)
+    assert [fqn for fqn, reason in decisions.items() if reason is None] == ["2", "4"]  # the middle two are FP8
+    assert uses_fp8_all_gather(wrapped[2]) and isinstance(wrapped[2].weight, FP8AllGatherWeight)
+    assert enable_fp8_all_gather(wrapped) == decisions  # a second call changes nothing
+    x = torch.randn(8, 32)
+    for model in (plain, wrapped):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast():
+            model.out = model(x)
+        model.out.float().sum().backward()
+    assert torch.equal(plain.out, wrapped.out)
+    assert torch.equal(plain[2].weight.grad, wrapped[2].weight.grad)
+    buffer = io.BytesIO()
+    torch.save(wrapped.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert type(state["2.weight"]) is torch.Tensor
+    _mlp().load_state_dict(state)
+
+
+class _FakeFabric:
+    """What Fabric's ModelParallelStrategy does to the non-module entries of `state` on a sharded load."""
+
+    def __init__(self, saved):
+        self.saved = saved
+
+    def load(self, path, state, strict=True):
+        for key in list(state):
+            if not isinstance(state[key], (nn.Module, torch.optim.Optimizer)):
+                state[key] = self.saved[key]
+        return {}
+
+
+def test_fabric_load_checkpoint_restores_what_a_sharded_load_drops():
+    trained = FabricFP8Precision()
+    trained.engine.step_count, trained.engine.skipped_steps = 7, 2
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    scheduler.step()
+    saved = {"fp8": trained.state_dict(), "scheduler": scheduler.state_dict(), "epoch": 3}
+    fresh = FabricFP8Precision()
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), step_size=1)
+    state = {"fp8": fresh, "scheduler": fresh_scheduler, "epoch": 0}
+    load_checkpoint(_FakeFabric(saved), "unused", state)
+    assert state["fp8"] is fresh and fresh.engine.step_count == 7 and fresh.engine.skipped_steps == 2
+    assert state["scheduler"] is fresh_scheduler and fresh_scheduler.last_epoch == 1
+    assert state["epoch"] == 3
+
+
+def test_accelerate_refuses_fsdp1():
+    from accelerate.utils import DistributedType
+
+    with pytest.raises(NotImplementedError, match="fsdp_version=2"):
+        check_fsdp_version(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
+    check_fsdp_version(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
