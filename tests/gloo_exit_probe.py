@@ -19,6 +19,7 @@ import atexit
 import ctypes
 import os
 import sys
+import time
 
 # registered first, so it runs last, right before the interpreter finalizes; PyDLL keeps the GIL during the call
 atexit.register(ctypes.PyDLL(None).usleep, 1000)
@@ -31,25 +32,34 @@ import torch.distributed as dist  # noqa: E402
 from lightning_fp8.engine.distributed import all_reduce_max_  # noqa: E402
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
+GLOO_WORKERS = 2  # ProcessGroupGloo's default number of worker threads
 
 
-def make_gloo_workers_late(cpu: int) -> int:
-    """Every thread of this process on `cpu`, gloo's worker threads in SCHED_IDLE; returns how many workers."""
-    workers = 0
+def thread_names() -> dict:
+    names = {}
     for tid in map(int, os.listdir("/proc/self/task")):
-        os.sched_setaffinity(tid, {cpu})
         with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip() == GLOO_WORKER_THREAD:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                workers += 1
-    return workers
+            names[tid] = f.read().strip()
+    return names
+
+
+def make_gloo_workers_late(cpu: int) -> None:
+    """Every thread of this process on `cpu`, gloo's worker threads in SCHED_IDLE. A worker names itself when it first
+    runs, which on a busy machine can be a while after init_process_group returned: wait for both names."""
+    deadline = time.monotonic() + 60
+    while sum(name == GLOO_WORKER_THREAD for name in thread_names().values()) < GLOO_WORKERS:
+        assert time.monotonic() < deadline, f"no {GLOO_WORKERS} '{GLOO_WORKER_THREAD}' threads after 60 s: {thread_names()}"
+        time.sleep(0.01)
+    for tid, name in thread_names().items():
+        os.sched_setaffinity(tid, {cpu})
+        if name == GLOO_WORKER_THREAD:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
 
 
 def main(rank: int, store_file: str, calls: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     cpus = sorted(os.sched_getaffinity(0))
-    workers = make_gloo_workers_late(cpus[rank % len(cpus)])
-    assert workers > 0, f"no '{GLOO_WORKER_THREAD}' thread found: this torch names gloo's worker threads otherwise"
+    make_gloo_workers_late(cpus[rank % len(cpus)])
 
     reduced = []
     all_reduce = dist.all_reduce
