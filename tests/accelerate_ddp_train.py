@@ -6,6 +6,8 @@
 An ordinary Accelerate loop: the prepared DataLoader gives each rank its own shard, so activations, gradients and raw
 amaxes differ between ranks. At OVERFLOW_STEP an activation entering an FP8 layer overflows on rank 0 only. Each
 rank saves its final model state (weights and FP8 metadata), counters and losses; the test checks the ranks agree.
+The script ends the way Accelerate asks scripts to end (`end_training`, which ends the process group; see
+tests/process_group.py for why it matters on gloo).
 """
 import os
 import sys
@@ -26,6 +28,14 @@ def main(out_dir: str, overflow_step: int) -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     accelerator = FP8Accelerator(kwargs_handlers=[FP8Kwargs(loss_scaling="dynamic", snapshot_every=4)])
+    try:
+        train(accelerator, out_dir, overflow_step)
+        accelerator.wait_for_everyone()  # no rank ends the process group while another still uses it
+    finally:
+        accelerator.end_training()  # destroy_process_group: gloo's worker threads end while Python is fully alive
+
+
+def train(accelerator: FP8Accelerator, out_dir: str, overflow_step: int) -> None:
     assert accelerator.mixed_precision == "fp8", accelerator.mixed_precision
     assert accelerator.num_processes == 2, accelerator.num_processes
     model = mlp()

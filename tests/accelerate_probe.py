@@ -25,3 +25,4 @@ if __name__ == "__main__":
         "out_dtype": str(out.dtype),
     }
     print("PROBE " + json.dumps(report))
+    accelerator.end_training()  # how an Accelerate script ends (it ends the process group where there is one)

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import RegressionModule, regression_data, trainer  # noqa: E402
+from process_group import process_group_ended  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -40,4 +41,5 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    with process_group_ended():
+        main(sys.argv[1])
