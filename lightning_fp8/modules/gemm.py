@@ -131,11 +131,20 @@ def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tenso
     if (out_dtype == torch.bfloat16 and a.device.type == "cpu" and cpu_has_native_bf16()
             and _is_power_of_2(a_scale_inv) and _is_power_of_2(b_scale_inv)):
         return _bf16_gemm(a, a_scale_inv, b, b_scale_inv, bias)
-    acc = torch.mm(a.to(torch.float32), b.to(torch.float32))
+    acc = torch.mm(_float32_image(a), _float32_image(b))
     out = acc * (a_scale_inv.to(torch.float32) * b_scale_inv.to(torch.float32))
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+def _float32_image(x: Tensor) -> Tensor:
+    """x's values in float32. On CPU through the BF16 table lookup (`fp8_bf16_image`, exact) and a vectorised
+    widening: about 3x faster than torch's float8 -> float32 conversion, a scalar loop on CPU (2.3 vs 7.9 ms for
+    1024x2816 codes on the development machine), which was a third of the emulated FP8Linear's time."""
+    if x.device.type == "cpu" and x.dtype in _BF16_OF_CODE:
+        return fp8_bf16_image(x).to(torch.float32)
+    return x.to(torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
