@@ -86,7 +86,11 @@ def _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, comp
             out, out_t = None, None
             amax = reference.amax_reference(x, skip_if) if compute_amax else None
         else:
-            out, out_t, amax = reference.cast_reference(
+            fast = None
+            if (x.device.type == "cpu" and noise is None and seed is None and x.is_floating_point()
+                    and not cpu_reference_forced()):
+                fast = cpu.cast_cpu(x, scale, f, write_row=write_row, write_t=write_t, compute_amax=compute_amax)
+            out, out_t, amax = fast if fast is not None else reference.cast_reference(
                 x,
                 scale,
                 f,

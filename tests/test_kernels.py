@@ -258,6 +258,37 @@ def test_cpu_scaled_cast_on_edge_values_and_histories(scaling, power_of_2):
                         assert torch.equal(h_cpu.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
 
 
+def test_cpu_explicit_scale_cast_on_edge_values():
+    """kernels/cpu.py's `cast_cpu` (the backward re-cast with a given scale: amax first, no clamp where nothing can
+    saturate) against the reference, over every code's neighbourhood, saturating, inf / NaN and tiny data, scales
+    that are and are not powers of two, both layouts; where it declines (saturation, non-finite) it says so."""
+    from lightning_fp8.kernels.cpu import cast_cpu
+    from lightning_fp8.kernels.reference import cast_reference
+
+    taken = 0
+    for fmt in (E4M3, E5M2):
+        v = edge_values(fmt)
+        x = torch.cat([v, torch.zeros((-v.numel()) % 32)]).reshape(-1, 32)
+        for data in (x, x.nan_to_num(0.0, 1.0e3, -1.0e3), torch.randn(16, 32) * 1e-3, torch.randn(16, 32) * 100,
+                     torch.randn(16, 32).to(torch.bfloat16)):
+            for scale in (1.0, 0.5, 2.0 ** 7, 0.3, 3.7, 1e-30):
+                s = torch.tensor(scale, dtype=torch.float32)
+                for write_row, write_t in ((True, False), (False, True), (True, True)):
+                    got = cast_cpu(data, s, fmt, write_row=write_row, write_t=write_t, compute_amax=True)
+                    ref = cast_reference(data, s, fmt, write_row=write_row, write_t=write_t, compute_amax=True)
+                    saturates = not (tensor_amax(data).float() * s).item() <= fmt.max  # float32 product
+                    assert (got is None) == saturates, (fmt, scale)
+                    if got is None:
+                        continue
+                    taken += 1
+                    for a, b in zip(got[:2], ref[:2]):
+                        assert (a is None) == (b is None)
+                        if a is not None:
+                            assert_same_fp8(a, b)
+                    assert torch.equal(got[2], ref[2])
+    assert taken > 0
+
+
 def test_close_step_op_is_the_numerics_rule():
     recipe = FP8Recipe(scale_gradients=False, format="e5m2")
     meta = FP8LinearMeta(recipe)
