@@ -7,6 +7,8 @@ Each scenario writes OUT_DIR/<scenario>.rank<r>.pt (tensors, lists); the test co
 that raises writes its traceback to OUT_DIR/<scenario>.rank<r>.error and the others still run (the collectives of
 a failed scenario may leave the group unusable; the launch then times out and the test reports the error file).
 The process group is destroyed at the end after a barrier: gloo aborts at interpreter exit otherwise.
+(Length: the scenarios of every framework, Lightning / Fabric / Accelerate with FSDP2 and DDP, live in this one
+script because each torchrun launch is paid once.)
 """
 import math
 import os
