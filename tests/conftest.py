@@ -14,6 +14,20 @@ def _quiet_and_seeded():
         yield
 
 
+@pytest.fixture
+def fresh_accelerate_state(monkeypatch):
+    """Accelerate's AcceleratorState / GradientState are process-wide singletons: a test that builds an Accelerator
+    starts from none and leaves none behind."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
     ref = ref.double()

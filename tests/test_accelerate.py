@@ -39,15 +39,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state(monkeypatch):
-    """AcceleratorState / GradientState are process-wide singletons: every test starts from none."""
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests/conftest.py
 
 
 def _setup(seed=0, lr=1e-2, scheduler=False, **accelerator_kwargs):

@@ -11,7 +11,7 @@ import accelerate.utils.imports as accelerate_imports
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 
 from helpers import loader, mlp
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs
@@ -21,14 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 
 from helpers import loader, mlp, trainer
 from lightning_fp8 import FP8Precision
@@ -207,15 +206,6 @@ def test_fabric_rollback_restores_every_optimizer_met_so_far():
 
 
 # -- Accelerate -------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
 
 @pytest.mark.parametrize("kind", ["inf_grad_b", "amax_a"])
 def test_accelerate_two_prepared_optimizers_decide_once_per_iteration(kind, fresh_accelerate_state):

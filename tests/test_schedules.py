@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 
 from helpers import loader, mlp
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
@@ -53,15 +52,6 @@ def inject_inf(i, net):
     if i == INF_AT:
         net[4].weight.grad[0, 0] = float("inf")
 
-
-@pytest.fixture
-def fresh_accelerate_state(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_accelerate_prepared_scheduler_skips_with_the_optimizer_and_rolls_back(fresh_accelerate_state):
