@@ -32,21 +32,10 @@ from lightning_fp8 import convert_to_fp8
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.demo.gpt import GPT, GPTConfig
 from lightning_fp8.integrations._core import exclude_fp8_meta_from_ddp_broadcast
-from lightning_fp8.distributed import CommBytes, FP8CommState, enable_fp8_all_gather, enable_fp8_reduce_scatter, fp8_comm_hook
+from lightning_fp8.distributed import (CommBytes, FP8CommState, bf16_comm_hook, enable_fp8_all_gather, enable_fp8_reduce_scatter,
+                                       fp8_comm_hook)
 from lightning_fp8.modules.autocast import fp8_autocast
 
-
-def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A BF16 all-reduce of the bucket: torch's bf16_compress_hook, which refuses to run on CPU."""
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
-    work = dist.all_reduce(compressed, async_op=True)
-
-    def back(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return work.get_future().then(back)
 
 
 def step(model, x, y) -> None:
@@ -64,7 +53,7 @@ def build(base, variant: str):
         exclude_fp8_meta_from_ddp_broadcast(model)  # as every adapter does: the engine keeps FP8 state in agreement
         ddp = DistributedDataParallel(model)
         if variant == "ddp_bf16":
-            ddp.register_comm_hook(None, bf16_hook)
+            ddp.register_comm_hook(None, bf16_comm_hook)
         elif variant == "ddp_fp8":
             ddp.register_comm_hook(FP8CommState(), fp8_comm_hook)
         return ddp

@@ -28,25 +28,12 @@ from lightning_fp8 import FP8Precision
 from lightning_fp8.demo.data import batches, fixed_val_batches, load_corpus
 from lightning_fp8.demo.gpt import GPTConfig
 from lightning_fp8.demo.module import CharGPTModule
-
-
-def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A BF16 all-reduce of the bucket, as torch's bf16_compress_hook (no `from __future__ import annotations` in
-    this file: DDP checks a hook's annotations by value)."""
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
-    work = dist.all_reduce(compressed, async_op=True)
-
-    def back(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return work.get_future().then(back)
+from lightning_fp8.distributed import bf16_comm_hook
 
 
 class BF16Communication(L.Callback):
     def on_train_start(self, trainer, pl_module):
-        trainer.strategy.model.register_comm_hook(None, bf16_hook)
+        trainer.strategy.model.register_comm_hook(None, bf16_comm_hook)
 
 
 class RankBatches(IterableDataset):

@@ -30,7 +30,6 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
-from lightning_fp8.conversion.convert import fp8_layers  # noqa: E402
 from lightning_fp8.demo.gpt import GPT, GPTConfig  # noqa: E402
 
 OUT = sys.argv[1]
@@ -379,18 +378,6 @@ def lightning_fsdp2_fp8_comm():
             **fp8_state(plugin, module)}
 
 
-def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A BF16 all-reduce of the bucket (torch's bf16_compress_hook refuses to run on CPU)."""
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
-    work = dist.all_reduce(compressed, async_op=True)
-
-    def back(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return work.get_future().then(back)
-
 
 def ddp_hooks():
     """fp8_comm_hook on a plain DDP model (no FP8 layers needed): gradients vs the float32 all-reduce, bytes vs a BF16
@@ -399,12 +386,12 @@ def ddp_hooks():
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_fp8.distributed import CommBytes, FP8CommState, fp8_comm_hook
+    from lightning_fp8.distributed import CommBytes, FP8CommState, bf16_comm_hook, fp8_comm_hook
 
     torch.manual_seed(0)
     base = GPT(CFG)
     x, y = batch(0, rank())
-    variants = {"fp32": (None, None), "bf16": (None, bf16_hook), "fp8": (FP8CommState(), fp8_comm_hook),
+    variants = {"fp32": (None, None), "bf16": (None, bf16_comm_hook), "fp8": (FP8CommState(), fp8_comm_hook),
                 "fp8_all_to_all": (FP8CommState(algorithm="all_to_all"), fp8_comm_hook),
                 "fp8_e5m2_per_bucket": (FP8CommState(fmt="e5m2", scaling="per_bucket"), fp8_comm_hook)}
     result = {}

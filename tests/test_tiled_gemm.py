@@ -1,7 +1,6 @@
 """The tiled FP8 GEMM (rowwise / blockwise recipes): the per-K-block definition against float64, the fast emulation
 against the definition, the `_scaled_mm` path's logic through CPU `_scaled_mm` (rowwise), its refusals, and the
 GPU paths (marked cuda)."""
-import math
 import warnings
 
 import pytest
@@ -17,7 +16,7 @@ from lightning_fp8.modules.tiled_gemm import (
     scaled_mm_tiled,
 )
 from lightning_fp8.numerics import E4M3, E5M2
-from lightning_fp8.numerics.tiles import expand_tiles, operand_tiles, quantize_tiles, tiled_gemm_reference, transposed
+from lightning_fp8.numerics.tiles import expand_tiles, quantize_tiles, tiled_gemm_reference, transposed
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -3,7 +3,7 @@ communication for DDP and FSDP2 (docs/distributed.md).
 
     all_gather.py      FP8AllGatherWeight, enable_fp8_all_gather: FSDP2 gathers FP8 layers' weights as FP8 bytes
     fp8_reduce.py      the FP8 reduction of gradients with a scale shared across ranks (FP8-LM's automatic scaling)
-    comm_hook.py       FP8CommState, fp8_comm_hook: that reduction as a DDP comm hook
+    comm_hook.py       FP8CommState, fp8_comm_hook: that reduction as a DDP comm hook (bf16_comm_hook: the BF16 baseline)
     reduce_scatter.py  FP8ReduceScatter, enable_fp8_reduce_scatter: the same as FSDP2's reduce-scatter
     sharding.py        is the model sharded, may it still be converted
     comm_bytes.py      CommBytes: the bytes each collective moves, counted at the c10d dispatcher
@@ -21,7 +21,7 @@ from lightning_fp8.distributed.all_gather import (
     uses_fp8_all_gather,
 )
 from lightning_fp8.distributed.comm_bytes import CommBytes
-from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
+from lightning_fp8.distributed.comm_hook import FP8CommState, bf16_comm_hook, fp8_comm_hook
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter, enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 
@@ -32,6 +32,7 @@ __all__ = [
     "uses_fp8_all_gather",
     "FP8CommState",
     "fp8_comm_hook",
+    "bf16_comm_hook",
     "FP8ReduceScatter",
     "enable_fp8_reduce_scatter",
     "CommBytes",

@@ -130,4 +130,19 @@ def _average_by_all_to_all(flat, buffer, scale, nonfinite, fmt, world, group) ->
     return work.get_future().then(average)
 
 
-__all__ = ["FP8CommState", "fp8_comm_hook", "COMM_FORMATS", "COMM_SCALINGS", "COMM_ALGORITHMS"]
+def bf16_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The BF16 baseline: the bucket averaged by a BF16 all-reduce (`ddp_model.register_comm_hook(None,
+    bf16_comm_hook)`). What torch's `bf16_compress_hook` does, which refuses to run on CPU (gloo): the benchmarks
+    and tests compare the FP8 hook with this one on CPU ranks."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    work = dist.all_reduce(compressed, async_op=True)
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return work.get_future().then(back)
+
+
+__all__ = ["FP8CommState", "fp8_comm_hook", "bf16_comm_hook", "COMM_FORMATS", "COMM_SCALINGS", "COMM_ALGORITHMS"]

@@ -26,7 +26,7 @@ transposed tiling where backward contracts the other axis) and t = the whole row
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
