@@ -16,7 +16,7 @@ edge values and NaN / inf. Set LIGHTNING_FP8_CPU_REFERENCE=1 to run the referenc
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ import torch
 from lightning_fp8.kernels.reference import fast_amax
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize
+from lightning_fp8.numerics.tiles import amax_of_tiles, tile_extent, tile_scales, transposed
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -126,4 +127,69 @@ def cast_cpu(
     return (q if write_row else None), (q.t().contiguous() if write_t else None), (amax_t if compute_amax else None)
 
 
-__all__ = ["scaled_cast_cpu", "cast_cpu", "host_scale", "host_cast_scale"]
+def _whole_tiles(tile: Sequence[int], shape: Sequence[int]) -> Optional[Tuple[int, int]]:
+    """The tile's extent when it divides the shape exactly (no ragged tile: a plain view then blocks x), else None."""
+    tr, tc = tile_extent(tile, shape)
+    return (tr, tc) if shape[0] % tr == 0 and shape[1] % tc == 0 else None
+
+
+def _cast_whole_tiles(x32: torch.Tensor, magnitude: torch.Tensor, extent: Tuple[int, int], fmt: FP8Format,
+                      margin: int, power_of_2: bool):
+    """(x_fp8, scale per tile, tile amax) of `quantize_tiles`, or None where a tile saturates or is not finite (the
+    reference then clamps). The products are the reference's (x in float32 times its tile's float32 scale); the clamp
+    is skipped because every tile's amax times its scale is within range, so it would be the identity."""
+    m, n = x32.shape
+    (tr, tc), (gr, gc) = extent, (m // extent[0], n // extent[1])
+    amax = magnitude.reshape(gr, tr, gc, tc).amax(dim=(1, 3))
+    scale = tile_scales(amax, fmt, margin, power_of_2)
+    if not bool((amax * scale <= fmt.max).all()):
+        return None
+    y = x32.reshape(gr, tr, gc, tc) * scale.reshape(gr, 1, gc, 1)
+    return y.reshape(m, n).to(fmt.dtype), scale, amax
+
+
+def tiled_cast_cpu(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    role: int,
+    fmt: FP8Format,
+    tile: Sequence[int],
+    tile_t: Sequence[int],
+    margin: int,
+    power_of_2: bool,
+    *,
+    record: bool = True,
+) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+    """The CPU twin of `reference.tiled_cast_reference` for nearest rounding when the tiles divide the tensor (the
+    usual case: 128-aligned layers): x blocked by a view and multiplied by its tiles' scales by broadcasting instead
+    of scales expanded to every element; x^T cast on x with the transposed tiling, then transposed as FP8 bytes; |x|
+    computed once for both tilings. None where it does not apply (ragged tiles, a saturating or non-finite tile):
+    the caller runs the reference, which is the definition."""
+    shape = tuple(x.shape)
+    extent = _whole_tiles(tile, shape) if len(tile) else None
+    extent_t = _whole_tiles(transposed(tile_t), shape) if len(tile_t) else None
+    if x.numel() == 0 or (len(tile) and extent is None) or (len(tile_t) and extent_t is None):
+        return None
+    x32 = x.to(torch.float32)
+    magnitude = x32.abs()
+    q = s = q_t = s_t = amax = None
+    if len(tile):
+        done = _cast_whole_tiles(x32, magnitude, extent, fmt, margin, power_of_2)
+        if done is None:
+            return None
+        q, scale, tiles = done
+        s, amax = scale.reciprocal(), amax_of_tiles(tiles)
+    if len(tile_t):
+        done = _cast_whole_tiles(x32, magnitude, extent_t, fmt, margin, power_of_2)
+        if done is None:
+            return None
+        q_x, scale, tiles = done
+        q_t, s_t = q_x.t().contiguous(), scale.t().contiguous().reciprocal()
+        amax = amax_of_tiles(tiles) if amax is None else amax
+    if record:
+        slot = history[role, 0]
+        slot.copy_(torch.maximum(slot, amax if amax is not None else fast_amax(x)))
+    return q, s, q_t, s_t
+
+
+__all__ = ["scaled_cast_cpu", "cast_cpu", "tiled_cast_cpu", "host_scale", "host_cast_scale"]

@@ -10,11 +10,17 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_fp8.kernels import reference
+from lightning_fp8.kernels import cpu, reference
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.tiles import grid_shape
 
 Tensor = torch.Tensor
+
+
+def _cpu_reference_forced() -> bool:
+    from lightning_fp8.kernels.ops import cpu_reference_forced  # ops.py imports this module
+
+    return cpu_reference_forced()
 
 
 def _empty(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -36,7 +42,10 @@ def tiled_cast_op(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     f = get_format(fmt)
     with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
-        q, s, q_t, s_t = reference.tiled_cast_reference(
+        fast = None
+        if x.device.type == "cpu" and noise is None and not _cpu_reference_forced():
+            fast = cpu.tiled_cast_cpu(x, history, role, f, tile, tile_t, margin, power_of_2, record=record)
+        q, s, q_t, s_t = fast if fast is not None else reference.tiled_cast_reference(
             x, history, role, f, tile, tile_t, margin, power_of_2, noise=noise, record=record
         )
     empty_scale = _empty(x, torch.float32)

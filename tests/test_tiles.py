@@ -186,6 +186,69 @@ def test_tiled_cast_op_matches_oracle_both_layouts_and_records_amax(scaling, rol
     assert math.isnan(history[slot, 0].item())
 
 
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+def test_tiled_cast_op_on_aligned_shapes_matches_oracle(scaling, role):
+    """128-aligned shapes take the CPU twin (kernels/cpu.py `tiled_cast_cpu`: a blocked view instead of expanded
+    scales); the oracle decides, in both layouts."""
+    fmt = E4M3
+    x = every_code_tensor(fmt, 256, 384, seed=3)
+    tile, tile_t = operand_tiles(scaling, 128, role)
+    history = torch.zeros(3, 5)
+    (q, s), (q_t, s_t) = kernels.tiled_cast(x, history, 0, "e4m3", tile, tile_t, 0, True)
+    want, want_s = oracle_cast(x, tile, fmt)
+    want_t, want_s_t = oracle_cast(x.t().contiguous(), tile_t, fmt)
+    assert_same(q, want)
+    assert_same(q_t, want_t)
+    assert s.tolist() == want_s and s_t.tolist() == want_s_t
+    assert history[0, 0] == x.abs().max()
+
+
+def test_cpu_tiled_cast_is_the_reference_bit_for_bit():
+    """The CPU twin against the reference over formats, margins, scales that are and are not powers of two, bf16 and
+    float32 inputs, one or both layouts, record on / off; where it declines (ragged tiles, a saturating, inf or NaN
+    tile) it returns None and the op runs the reference."""
+    from lightning_fp8.kernels.cpu import tiled_cast_cpu
+    from lightning_fp8.kernels.reference import tiled_cast_reference
+
+    taken = declined = 0
+    for fmt in FORMATS:
+        base = every_code_tensor(fmt, 256, 256, seed=5)
+        cases = [base, base.to(torch.bfloat16), torch.randn(128, 384) * 1e-3, base[:, :200]]
+        poisoned = base.clone()
+        poisoned[3, 4] = math.inf
+        cases.append(poisoned)
+        poisoned = base.clone()
+        poisoned[130, 7] = math.nan
+        cases.append(poisoned)
+        for x in cases:
+            for scaling, role in (("rowwise", "input"), ("blockwise", "input"), ("blockwise", "weight")):
+                tile, tile_t = operand_tiles(scaling, 128, role)
+                for tiles in ((tile, tile_t), (tile, ()), ((), tile_t)):
+                    for margin, power_of_2 in ((0, True), (0, False), (2, False)):
+                        for record in (True, False):
+                            h_ref = torch.zeros(3, 4)
+                            h_ref[0, 0] = 0.25
+                            h_cpu = h_ref.clone()
+                            ref = tiled_cast_reference(x, h_ref, 0, fmt, *tiles, margin, power_of_2, record=record)
+                            got = tiled_cast_cpu(x, h_cpu, 0, fmt, *tiles, margin, power_of_2, record=record)
+                            if got is None:
+                                declined += 1
+                                assert torch.equal(h_cpu, h_ref.new_tensor([[0.25, 0, 0, 0], [0] * 4, [0] * 4]))
+                                continue
+                            taken += 1
+                            for a, b in zip(got, ref):
+                                assert (a is None) == (b is None)
+                                if a is None:
+                                    continue
+                                if a.dtype == fmt.dtype:
+                                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                else:
+                                    assert torch.equal(a, b) and a.stride() == b.stride()
+                            assert torch.equal(h_cpu, h_ref)
+    assert taken > 100 and declined > 10
+
+
 def test_operand_tiles_follow_the_non_contracted_axis():
     assert operand_tiles("blockwise", 128, "input") == ((1, 128), (1, 128))
     assert operand_tiles("blockwise", 128, "weight") == ((128, 128), (128, 128))
