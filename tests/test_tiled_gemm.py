@@ -222,3 +222,22 @@ def test_cuda_fine_grained_linear_matches_cpu_emulation(scaling):
         assert err < 2e-2, err
     w_other = torch.cat([grads["cuda"][2][:, :3], grads["cuda"][2][:, 4:]], 1)
     assert torch.isfinite(w_other).all() and w_other.abs().sum() > 0
+
+
+@pytest.mark.parametrize("tile", [(1, 0), (1, 128), (128, 128), (128, 1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantized_operands_are_the_fp8_values_times_their_tile_scales(tile, dtype):
+    """The emulation's dequantization (a blocked view times the scales where the tiles divide the operand, through
+    the transpose for a transposed operand; expanded scales for ragged tiles) is element for element the product the
+    definition takes."""
+    from lightning_fp8.modules.tiled_gemm import dequantized
+    from lightning_fp8.numerics.tiles import grid_shape
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((256, 384), (200, 300)):
+        x = (torch.randn(shape, generator=g) * 100).to(torch.float8_e4m3fn)
+        for operand, name in ((x, "row-major"), (x.t().contiguous().t(), "transposed view")):
+            scale = 2.0 ** torch.randint(-8, 8, grid_shape(tile, shape), generator=g).float()
+            want = (operand.to(torch.float32) * expand_tiles(scale, tile, shape)).to(dtype)
+            got = dequantized(operand, scale, tile, dtype)
+            assert got.dtype == dtype and torch.equal(got, want), (shape, name)

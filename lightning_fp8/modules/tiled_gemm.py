@@ -22,7 +22,7 @@ Registered as a custom op with a fake implementation, so `torch.compile` traces 
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -89,11 +89,25 @@ def _fp8_gemm_tiled_fake(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dty
 # -- emulation ------------------------------------------------------------------------------------------------------
 def dequantized(x: Tensor, scale_inv: Tensor, tile: Sequence[int], dtype: torch.dtype) -> Tensor:
     """x's FP8 values times their tile's dequant scale, in dtype (exact in BF16 for power-of-two scales)."""
-    if dtype == torch.bfloat16 and x.device.type == "cpu":
-        image = fp8_bf16_image(x)  # exact, and fast on CPU
+    if x.device.type == "cpu":
+        image = fp8_bf16_image(x).to(dtype)  # exact, and fast on CPU (torch's float8 conversion is a scalar loop)
     else:
         image = x.to(dtype)
-    return image * expand_tiles(scale_inv.to(dtype), tile, x.shape)
+    return _times_tile_scales(image, scale_inv.to(dtype), tile_extent(tile, x.shape))
+
+
+def _times_tile_scales(image: Tensor, scale: Tensor, extent: Tuple[int, int]) -> Tensor:
+    """image times its tiles' scales: by broadcasting over a blocked view where the tiles divide the tensor (a
+    transposed operand is blocked through its transpose), else with the scales expanded to every element. The same
+    float multiplies either way."""
+    (m, n), (tr, tc) = image.shape, extent
+    if m % tr == 0 and n % tc == 0:
+        if image.is_contiguous():
+            gr, gc = m // tr, n // tc
+            return (image.view(gr, tr, gc, tc) * scale.reshape(gr, 1, gc, 1)).view(m, n)
+        if image.t().is_contiguous():
+            return _times_tile_scales(image.t(), scale.t(), (tc, tr)).t()
+    return image * expand_tiles(scale, extent, image.shape)
 
 
 def emulated_tiled_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None,
