@@ -7,8 +7,9 @@
    launches on CUDA, see lightning_fp8/kernels/ops.py), and compiled with inductor (its generated kernels plus the
    custom-op calls left in the graph).
 2. Operators of one per-step scale close of every layer (the engine's), for models of 10 and 200 FP8 layers.
-3. CPU time of a forward+backward, FP8Linear (emulated) vs nn.Linear under BF16 autocast, at 512x1024x2816 and
-   2048x4096x4096: medians of interleaved repeats in this one process (so both see the same machine state).
+3. CPU time of a forward+backward, FP8Linear (emulated, every recipe) vs nn.Linear under BF16 autocast and in float32,
+   at 512x1024x2816 and 2048x4096x4096: medians of interleaved repeats in this one process (so all see the same
+   machine state).
 
 Results go to <out>.json and <out>.md with the machine, versions and date.
 """
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8  # noqa: E402
 from lightning_fp8.engine.scales import ModelScales  # noqa: E402
+from lightning_fp8.modules.gemm import cpu_has_native_bf16  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -142,34 +144,61 @@ def close_table():
     return rows
 
 
-def time_pair(m, k, n, recipe, repeats):
+def fwd_bwd_fp32(layer, x):
+    layer(x).sum().backward()
+
+
+def time_shape(m, k, n, recipes, repeats, bf16_repeats):
+    """Medians of interleaved repeats (every layer once per round, so all see the same machine state) of: nn.Linear
+    under BF16 autocast (the issue's baseline), nn.Linear in float32, and FP8Linear per recipe (emulated).
+
+    Why the float32 baseline too: an AVX2-only CPU has no BF16 hardware, torch's BF16 GEMMs there are a scalar
+    fallback (about 1 GFLOP/s on the development machine against 150 for float32), so "FP8 vs BF16" alone would
+    flatter the emulation; the emulation uses float32 GEMMs on such a CPU (lightning_fp8/modules/gemm.py,
+    `cpu_has_native_bf16`). BF16 gets its own (smaller) number of rounds where one round takes minutes."""
     torch.manual_seed(0)
     ref = nn.Linear(k, n)
-    fp8 = FP8Linear(k, n, recipe=recipe)
-    fp8.load_state_dict(ref.state_dict())
+    layers = {"bf16": (ref, fwd_bwd), "fp32": (ref, fwd_bwd_fp32)}
+    for recipe in recipes:
+        fp8 = FP8Linear(k, n, recipe=recipe)
+        fp8.load_state_dict(ref.state_dict())
+        layers[recipe_name(recipe)] = (fp8, fwd_bwd)
     x = torch.randn(m, k, requires_grad=True)
-    times = {"bf16": [], "fp8": []}
-    for layer in (ref, fp8):
-        for _ in range(3):
-            fwd_bwd(layer, x)
-    for _ in range(repeats):  # interleaved: both see the same machine state
-        for name, layer in (("bf16", ref), ("fp8", fp8)):
+    times = {name: [] for name in layers}
+    for name, (layer, step) in layers.items():
+        for _ in range(1 if name == "bf16" and bf16_repeats < repeats else 3):
+            step(layer, x)
+    for round_ in range(repeats):
+        for name, (layer, step) in layers.items():
+            if name == "bf16" and round_ >= bf16_repeats:
+                continue
             layer.zero_grad(set_to_none=True)
             x.grad = None
             t0 = time.perf_counter()
-            fwd_bwd(layer, x)
+            step(layer, x)
             times[name].append(time.perf_counter() - t0)
-    bf16, fp8_t = statistics.median(times["bf16"]), statistics.median(times["fp8"])
-    return {"shape": f"{m}x{k}x{n}", "recipe": recipe.scaling + (" pow2" if recipe.power_of_2_scales else ""),
-            "bf16_ms": round(bf16 * 1e3, 2), "fp8_ms": round(fp8_t * 1e3, 2), "ratio": round(fp8_t / bf16, 2)}
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    rows = []
+    for recipe in recipes:
+        name = recipe_name(recipe)
+        rows.append({"shape": f"{m}x{k}x{n}", "recipe": name, "bf16_ms": round(med["bf16"] * 1e3, 2),
+                     "bf16_rounds": len(times["bf16"]), "fp32_ms": round(med["fp32"] * 1e3, 2),
+                     "fp8_ms": round(med[name] * 1e3, 2), "fp8_rounds": len(times[name]),
+                     "ratio_vs_bf16": round(med[name] / med["bf16"], 3),
+                     "ratio_vs_fp32": round(med[name] / med["fp32"], 2)})
+    return rows
+
+
+def recipe_name(recipe) -> str:
+    return recipe.scaling + ("" if recipe.power_of_2_scales else " (scales not pow2)")
 
 
 def time_table(repeats, skip_large):
-    shapes = [(512, 1024, 2816)] + ([] if skip_large else [(2048, 4096, 4096)])
-    rows = []
-    for shape in shapes:
-        for recipe in (FP8Recipe(), FP8Recipe(scaling="current"), FP8Recipe(power_of_2_scales=False)):
-            rows.append(time_pair(*shape, recipe, repeats if shape[0] < 2048 else max(5, repeats // 4)))
+    recipes = (FP8Recipe(), FP8Recipe(scaling="current"), FP8Recipe(power_of_2_scales=False),
+               FP8Recipe(scaling="rowwise"), FP8Recipe(scaling="blockwise"))
+    rows = time_shape(512, 1024, 2816, recipes, repeats, bf16_repeats=max(3, repeats // 4))
+    if not skip_large:
+        rows += time_shape(2048, 4096, 4096, recipes, max(3, repeats // 4), bf16_repeats=1)
     return rows
 
 
@@ -182,7 +211,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     result = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
+                    "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "native_bf16": cpu_has_native_bf16()},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "date": datetime.date.today().isoformat(),
         "ops": ops_table() if not args.no_compile else [],
@@ -200,9 +230,13 @@ def main(argv=None):
                      f"{r.get('generated_kernels_compiled', '')} |")
     lines += ["", "## One scale close of every layer (engine, per optimizer step)", "", "| FP8 layers | ops |", "|---:|---:|"]
     lines += [f"| {r['fp8_layers']} | {r['ops_per_step_close']} |" for r in result["step_close"]]
-    lines += ["", "## CPU forward+backward time, emulated FP8Linear vs nn.Linear under BF16 autocast (medians)", "",
-              "| shape (MxKxN) | recipe | BF16 ms | FP8 ms | FP8 / BF16 |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['shape']} | {r['recipe']} | {r['bf16_ms']} | {r['fp8_ms']} | {r['ratio']} |" for r in result["time"]]
+    lines += ["", "## CPU forward+backward time, emulated FP8Linear vs nn.Linear (medians of interleaved rounds)", "",
+              f"This CPU multiplies BF16 in hardware: {cpu_has_native_bf16()} (without it torch's BF16 GEMMs are a slow "
+              "fallback and the emulation runs float32 GEMMs, so the float32 column is the fair baseline).", "",
+              "| shape (MxKxN) | recipe | BF16 autocast ms (rounds) | float32 ms | FP8 ms (rounds) | FP8 / BF16 | FP8 / float32 |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['shape']} | {r['recipe']} | {r['bf16_ms']} ({r['bf16_rounds']}) | {r['fp32_ms']} | {r['fp8_ms']} "
+              f"({r['fp8_rounds']}) | {r['ratio_vs_bf16']} | {r['ratio_vs_fp32']} |" for r in result["time"]]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
