@@ -68,3 +68,22 @@ def test_fabric_save_and_load_resumes_identically(tmp_path):
 def test_fabric_rejects_fp8_optimizer_state():
     with pytest.raises(ValueError, match="FP8AdamW"):
         FP8Precision(optimizer_state="fp8")
+
+
+def test_a_second_model_set_up_leaves_the_first_one_updating_its_scales_and_says_so():
+    """The engine protects one model: a second `fabric.setup` must not leave the first model's FP8 layers with no
+    scale updates at all (the engine had switched their own close off), and must say what is covered."""
+    plugin = FP8Precision(loss_scaling="dynamic")
+    fabric, first, opt_first = _setup(plugin)
+    torch.manual_seed(1)
+    second = mlp()
+    opt_second = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="covers only that model"):
+        second, opt_second = fabric.setup(second, opt_second)
+    layer = next(m for m in first.modules() if isinstance(m, FP8Linear))
+    history_before = layer.fp8_meta.amax_history.clone()
+    _loop(fabric, first, opt_first, 3)
+    _loop(fabric, second, opt_second, 3)
+    assert not torch.equal(layer.fp8_meta.amax_history, history_before)  # the first model's scales still move
+    assert layer.fp8_meta.amax_history[:, 1:].gt(0).any()  # closed steps entered its history
+    assert sum(isinstance(m, FP8Linear) for m in second.modules()) == 2

@@ -113,9 +113,28 @@ class FP8TrainingEngine:
 
     # -- setup --------------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
-        """Adopt a converted model: the engine now syncs and updates its FP8 scales once per iteration."""
+        """Adopt a converted model: the engine now syncs and updates its FP8 scales once per iteration.
+
+        One model per engine: attaching another (a second `fabric.setup`) hands the earlier model's FP8 layers back
+        their own lazy scale close, so their scales keep updating, and says loudly that skip / rollback now cover
+        the last model only (otherwise the earlier layers' scales would silently never change again)."""
+        previous = self.layers if self.model is not None and self.model is not model else {}
         self.model = model
         self.layers = fp8_layers(model)
+        kept = set(map(id, self.layers.values()))
+        released = [layer for layer in previous.values() if id(layer) not in kept]
+        for layer in released:
+            layer.autoupdate_scales = True
+        if released:
+            warnings.warn(
+                f"lightning_fp8: another model was set up with this FP8 plugin; its engine (once-per-iteration "
+                f"scale updates, skip on overflow, rollback) now covers only that model ({len(self.layers)} FP8 "
+                f"layers). The earlier model's {len(released)} FP8 layers update their own scales after each "
+                f"backward, without skip or rollback protection. Wrap the models in one nn.Module and set that up "
+                f"once to protect them all.",
+                UserWarning,
+                stacklevel=3,
+            )
         for layer in self.layers.values():
             layer.autoupdate_scales = False
         self.scales = ModelScales(self.layers)
