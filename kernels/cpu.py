@@ -24,7 +24,7 @@ import torch
 from lightning_fp8.kernels.reference import fast_amax
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize
-from lightning_fp8.numerics.tiles import amax_of_tiles, tile_extent, tile_scales, transposed
+from lightning_fp8.numerics.tiles import amax_of_tiles, tile_extent, tile_scales, times_tiles, transposed
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -61,6 +61,20 @@ def host_cast_scale(
     return host_scale(ref, fp8_max, margin, power_of_2, current)
 
 
+def _fits(amax: float, scale: float, fmt: FP8Format) -> bool:
+    """Whether amax * scale (float32 product, as the cast computes it) is within range: then no scaled element can
+    saturate (rounding is monotone), so quantize's clamp is the identity. False for inf / NaN."""
+    return float(np.float32(amax) * np.float32(scale)) <= fmt.max
+
+
+def _cast_unclamped(x: torch.Tensor, scale: float, fmt: FP8Format) -> torch.Tensor:
+    """`quantize` (nearest) where `_fits` holds: x in float32 times the scale, cast; one float32 buffer, scaled in
+    place when x was not float32 already."""
+    y = x.to(torch.float32)
+    y = y.mul_(scale) if y is not x else y * scale
+    return y.to(fmt.dtype)
+
+
 def scaled_cast_cpu(
     x: torch.Tensor,
     history: torch.Tensor,
@@ -87,11 +101,8 @@ def scaled_cast_cpu(
     amax_t = fast_amax(x) if (needs_amax or rounding == "nearest") else None
     amax = float(amax_t) if amax_t is not None else 0.0
     scale = host_cast_scale(row, amax if needs_amax else 0.0, fmt.max, scaling, algo_max, margin, power_of_2)
-    if rounding == "nearest" and float(np.float32(amax) * np.float32(scale)) <= fmt.max:
-        # nothing saturates: quantize's clamp is the identity; one float32 buffer, scaled in place
-        y = x.to(torch.float32)
-        y = y.mul_(scale) if y is not x else y * scale
-        q = y.to(fmt.dtype)
+    if rounding == "nearest" and _fits(amax, scale, fmt):
+        q = _cast_unclamped(x, scale, fmt)
     else:
         q = quantize(x, torch.tensor(scale, dtype=torch.float32), fmt, rounding=rounding, noise=noise, generator=generator)
     if record:
@@ -119,11 +130,9 @@ def cast_cpu(
         return None
     amax_t = fast_amax(x)
     amax, factor = float(amax_t), float(scale.reshape(()).to(torch.float32))
-    if not float(np.float32(amax) * np.float32(factor)) <= fmt.max:  # saturation, inf or NaN: the reference
+    if not _fits(amax, factor, fmt):  # saturation, inf or NaN: the reference
         return None
-    y = x.to(torch.float32)
-    y = y.mul_(factor) if y is not x else y * factor
-    q = y.to(fmt.dtype)
+    q = _cast_unclamped(x, factor, fmt)
     return (q if write_row else None), (q.t().contiguous() if write_t else None), (amax_t if compute_amax else None)
 
 
@@ -144,8 +153,7 @@ def _cast_whole_tiles(x32: torch.Tensor, magnitude: torch.Tensor, extent: Tuple[
     scale = tile_scales(amax, fmt, margin, power_of_2)
     if not bool((amax * scale <= fmt.max).all()):
         return None
-    y = x32.reshape(gr, tr, gc, tc) * scale.reshape(gr, 1, gc, 1)
-    return y.reshape(m, n).to(fmt.dtype), scale, amax
+    return times_tiles(x32, scale, extent).to(fmt.dtype), scale, amax
 
 
 def tiled_cast_cpu(

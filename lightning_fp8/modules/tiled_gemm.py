@@ -22,13 +22,13 @@ Registered as a custom op with a fake implementation, so `torch.compile` traces 
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from lightning_fp8.modules.gemm import FP8EmulationWarning, cpu_has_native_bf16, fp8_bf16_image, resolve_backend
-from lightning_fp8.numerics.tiles import exact_in_bf16, expand_tiles, tile_extent, tiled_gemm_reference
+from lightning_fp8.numerics.tiles import exact_in_bf16, tile_extent, tiled_gemm_reference, times_tiles
 
 Tensor = torch.Tensor
 
@@ -93,21 +93,7 @@ def dequantized(x: Tensor, scale_inv: Tensor, tile: Sequence[int], dtype: torch.
         image = fp8_bf16_image(x).to(dtype)  # exact, and fast on CPU (torch's float8 conversion is a scalar loop)
     else:
         image = x.to(dtype)
-    return _times_tile_scales(image, scale_inv.to(dtype), tile_extent(tile, x.shape))
-
-
-def _times_tile_scales(image: Tensor, scale: Tensor, extent: Tuple[int, int]) -> Tensor:
-    """image times its tiles' scales: by broadcasting over a blocked view where the tiles divide the tensor (a
-    transposed operand is blocked through its transpose), else with the scales expanded to every element. The same
-    float multiplies either way."""
-    (m, n), (tr, tc) = image.shape, extent
-    if m % tr == 0 and n % tc == 0:
-        if image.is_contiguous():
-            gr, gc = m // tr, n // tc
-            return (image.view(gr, tr, gc, tc) * scale.reshape(gr, 1, gc, 1)).view(m, n)
-        if image.t().is_contiguous():
-            return _times_tile_scales(image.t(), scale.t(), (tc, tr)).t()
-    return image * expand_tiles(scale, extent, image.shape)
+    return times_tiles(image, scale_inv.to(dtype), tile)
 
 
 def emulated_tiled_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None,

@@ -89,6 +89,20 @@ def expand_tiles(values: torch.Tensor, tile: Sequence[int], shape: Sequence[int]
     return out[: shape[0], : shape[1]]
 
 
+def times_tiles(x: torch.Tensor, values: torch.Tensor, tile: Sequence[int]) -> torch.Tensor:
+    """x times each element's tile value: the same float multiplies as `x * expand_tiles(values, tile, x.shape)`, by
+    broadcasting over a blocked view where the tiles divide x (a transposed x through its transpose), so the values
+    are not expanded to every element; expanded where a tile is ragged."""
+    (m, n), (tr, tc) = x.shape, tile_extent(tile, x.shape)
+    if m % tr == 0 and n % tc == 0:
+        if x.is_contiguous():
+            gr, gc = m // tr, n // tc
+            return (x.view(gr, tr, gc, tc) * values.reshape(gr, 1, gc, 1)).view(m, n)
+        if x.t().is_contiguous():
+            return times_tiles(x.t(), values.t(), transposed((tr, tc))).t()
+    return x * expand_tiles(values, tile, x.shape)
+
+
 def quantize_tiles(
     x: torch.Tensor,
     tile: Sequence[int],
