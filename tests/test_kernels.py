@@ -326,6 +326,92 @@ def test_casts_reject_what_they_cannot_cast():
         kernels.scaled_cast(torch.zeros(2, 2), torch.zeros(3, 5), 0, "e4m3", "lazy", True, 0, False)
 
 
+def test_device_guard_makes_the_tensors_cuda_device_current(monkeypatch):
+    """The launch guard asks torch.cuda.device for the tensor's own device (a fake cuda:1 tensor here), and for
+    nothing with a CPU tensor (the interpreter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_fp8.kernels.launch import device_guard
+
+    asked, entered = [], []
+
+    class RecordingDevice:
+        def __init__(self, device):
+            asked.append(device)
+
+        def __enter__(self):
+            entered.append(asked[-1])
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", RecordingDevice)
+    with FakeTensorMode():
+        on_second_gpu = torch.empty(4, 4, device="cuda:1")
+    with device_guard(on_second_gpu):
+        pass
+    assert asked == entered == [torch.device("cuda", 1)]
+    with device_guard(torch.zeros(2)):
+        pass
+    assert asked == [torch.device("cuda", 1)]
+
+
+def _triton_launches():
+    """Every `kernel[grid](...)` call of a @triton.jit function in the package's sources, with the `with` items that
+    enclose it: (file, line, kernel name, launch call, enclosing with-item calls)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = sorted((root / "kernels").rglob("*.py")) + sorted((root / "lightning_fp8").rglob("*.py"))
+    trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
+
+    def is_jit(decorator):
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        return (isinstance(target, ast.Attribute) and target.attr == "jit") or (
+            isinstance(target, ast.Name) and target.id == "jit")
+
+    jit_names = {node.name for tree in trees.values() for node in ast.walk(tree)
+                 if isinstance(node, ast.FunctionDef) and any(is_jit(d) for d in node.decorator_list)}
+    launches = []
+    for f, tree in trees.items():
+        def visit(node, withs):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                kernel = node.func.value
+                name = kernel.id if isinstance(kernel, ast.Name) else getattr(kernel, "attr", None)
+                if name in jit_names:
+                    launches.append((f.relative_to(root), node.lineno, name, node, list(withs)))
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                withs = withs + [item.context_expr for item in node.items]
+            for child in ast.iter_child_nodes(node):
+                visit(child, withs)
+
+        visit(tree, [])
+    return launches
+
+
+def test_every_triton_launch_is_under_the_tensors_device_guard():
+    """Defect: Triton launches on the current device, not the tensors' (a layer on cuda:1 while cuda:0 is current
+    ran on the wrong GPU). Every launch must sit inside `with device_guard(t):` where t is a tensor the kernel
+    receives as a positional argument."""
+    import ast
+
+    launches = _triton_launches()
+    found = {name for _, _, name, _, _ in launches}
+    assert {"_cast_kernel", "_close_step_kernel", "_fp8_adamw_block_kernel"} <= found, found  # the scan sees them
+    unguarded = []
+    for path, line, name, call, withs in launches:
+        arg_names = {a.id for a in call.args if isinstance(a, ast.Name)}
+        guarded = any(
+            isinstance(w, ast.Call) and isinstance(w.func, ast.Name) and w.func.id == "device_guard"
+            and len(w.args) == 1 and isinstance(w.args[0], ast.Name) and w.args[0].id in arg_names
+            for w in withs
+        )
+        if not guarded:
+            unguarded.append(f"{path}:{line} {name}")
+    assert not unguarded, f"launches outside `with device_guard(<a tensor argument>)`: {unguarded}"
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CPU under the Triton interpreter
 # ------------------------------------------------------------------------------------------------------------------
@@ -647,3 +733,55 @@ def test_cuda_fp8linear_fused_vs_reference(monkeypatch):
         assert torch.equal(a, b)
     for k, v in {**layer.state_dict(), **fp8_state_dict(layer)}.items():
         assert torch.equal(v, {**twin.state_dict(), **fp8_state_dict(twin)}[k]), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_kernels_launch_on_the_tensors_device_not_the_current_one():
+    """Defect: Triton launches on the current device. With cuda:0 current and every tensor on cuda:1, whose stream
+    is kept busy until the input is written, a kernel launched on cuda:0 would fault or read the input before it
+    exists; under the device guard each kernel runs on cuda:1, after the input, and cuda:0 stays current."""
+    from lightning_fp8.kernels import triton_cast
+    from lightning_fp8.kernels.reference import close_step_reference, scaled_cast_reference
+    from lightning_fp8.kernels.triton_scaling import launch_close_step
+
+    second = torch.device("cuda", 1)
+    source = wide_random((512, 384), seed=4, device=second).clamp(-3e4, 3e4)
+    hw = not kernels.use_soft_cast(source)
+
+    def fresh_input():
+        with torch.cuda.device(second):
+            torch.cuda._sleep(100_000_000)  # ~0.1 s of work queued on cuda:1's stream
+        return source * 1.0  # runs on cuda:1's stream after the sleep
+
+    with torch.cuda.device(0):
+        for fmt in FORMATS:
+            x = fresh_input()
+            s = torch.tensor(3.0, device=second)
+            out, out_t, amax = triton_cast.launch_cast(x, s, fmt, write_row=True, write_t=True, compute_amax=True,
+                                                       hw_cast=hw)
+            ref = quantize(x, s, fmt)
+            assert out.device == second
+            assert_same_fp8(out.view(fmt.dtype), ref, nan_sign=not hw)
+            assert_same_fp8(out_t.view(fmt.dtype), ref.t().contiguous(), nan_sign=not hw)
+            assert_same_amax(amax, tensor_amax(x))
+
+            x = fresh_input()
+            hist = torch.zeros(3, 9, device=second)
+            h_ref = hist.clone()
+            q, q_t, scale, _ = triton_cast.launch_scaled_cast(x, hist[1], fmt, "current", True, 0, False, write_t=True,
+                                                              record=True, hw_cast=hw)
+            q_ref, scale_ref = scaled_cast_reference(x, h_ref, 1, fmt, "current", True, 0, False)
+            assert torch.equal(scale, scale_ref)
+            assert_same_fp8(q.view(fmt.dtype), q_ref, nan_sign=not hw)
+            assert torch.equal(hist, h_ref)
+
+        meta = FP8LinearMeta(FP8Recipe(), device=second)
+        history = torch.rand(meta.amax_history.shape, device=second) * 10
+        counts = [torch.zeros(3, dtype=torch.int64, device=second) for _ in range(4)]
+        h_kernel, h_ref = history.clone(), history.clone()
+        launch_close_step(h_kernel, counts[0], counts[1], *meta.constants().values(), True)
+        close_step_reference(h_ref, counts[2], counts[3], tuple(meta.constants().values()), True)
+        assert torch.equal(h_kernel, h_ref) and torch.equal(counts[0], counts[2]) and torch.equal(counts[1], counts[3])
+        assert torch.cuda.current_device() == 0  # the guard restores the caller's device
+    torch.cuda.synchronize(second)

@@ -614,6 +614,32 @@ def test_triton_backend_falls_back_to_reference_where_not_covered():
     assert torch.equal(w_tri, w_ref)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("triton") is None,
+                    reason="needs 2 CUDA GPUs and triton")
+def test_triton_kernel_steps_on_the_parameters_device_not_the_current_one():
+    """Defect: the fused step launched on the current device. cuda:0 current, the parameter on cuda:1 whose stream is
+    busy until its gradient is written: a launch on cuda:0 would fault or read the gradient before it exists."""
+    second = torch.device("cuda", 1)
+    results = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(300, 129, device=second))
+        opt = FP8AdamW([w], lr=1e-2, backend=backend)
+        grads = [torch.randn(w.shape, generator=torch.Generator().manual_seed(t)).to(second) * 1e-3 for t in range(3)]
+        with torch.cuda.device(0):
+            for grad in grads:
+                with torch.cuda.device(second):
+                    torch.cuda._sleep(100_000_000)  # ~0.1 s of work queued on cuda:1's stream
+                w.grad = grad * 1.0  # written on cuda:1's stream after the sleep (no host sync)
+                opt.step()
+            assert torch.cuda.current_device() == 0
+        results.append((w.detach().clone(), opt.state[w]["exp_avg"].clone()))
+    (w_ref, m_ref), (w_tri, m_tri) = results
+    assert torch.allclose(w_tri, w_ref, rtol=1e-5, atol=1e-7)
+    assert _codes_close(m_tri, m_ref) > 0.99
+
+
 # -- Triton kernel under the interpreter (CPU; needs triton installed, which the CPU test env does not have) ------
 def _interpreter_check() -> None:
     """Run in a process with TRITON_INTERPRET=1: one fused step against one reference step from the same state.

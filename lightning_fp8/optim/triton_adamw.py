@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_fp8.kernels.launch import device_guard
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
@@ -119,14 +120,17 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
     numel = param.numel()
     bs = group["block_size"]
     grid = (triton.cdiv(numel, bs),)
-    _fp8_adamw_block_kernel[grid](
-        param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"], state["exp_avg_sq_scale_inv"],
-        numel,
-        1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1, bias_correction2**0.5,
-        DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
-        V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
-        FLT_MAX=torch.finfo(torch.float32).max,
-    )
+    with device_guard(param):
+        _fp8_adamw_block_kernel[grid](
+            param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"],
+            state["exp_avg_sq_scale_inv"],
+            numel,
+            1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1,
+            bias_correction2**0.5,
+            DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
+            V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
+            FLT_MAX=torch.finfo(torch.float32).max,
+        )
 
 
 __all__ = ["supports", "adamw_step_triton_"]
