@@ -23,15 +23,22 @@ amax is max(|x|) computed on the float32 bit patterns as integers: for non-negat
 is the float order, and every NaN pattern (sign cleared) sorts above +inf, so NaN propagates exactly like
 `torch.amax` and the per-program partial maxima combine with one integer `atomic_max`.
 
+Which rounding runs where (`hardware_fp8_cast_supported`): the hardware cvt only where Triton compiles it *and* it
+rounds exactly like the reference, that is sm90+ (H100, B200, RTX 50xx), and sm89 (L4, L40S, RTX 40xx) with
+Triton >= 3.9; the exact integer emulation everywhere else (sm80/86/87: A100, A10, RTX 30xx). Evidence, compiled
+for every architecture with Triton's bundled ptxas and no GPU: tests/test_triton_compile.py.
+
 Nothing here has run on a GPU yet (the machine this was written on has none): the soft-cast variant was checked
 bit-exactly under the Triton interpreter on CPU; the hardware-cast variant only where the interpreter's own
 fp8 conversion is right. `tests/test_kernels.py -m cuda` is the GPU check.
 
-(Length: one kernel, the JIT helpers only it uses, and its two launchers; splitting them would scatter one kernel.)
+(Length: one kernel, the JIT helpers it shares with the fused AdamW step (optim/triton_adamw.py), the choice of
+conversion, and its two launchers; splitting them would scatter one kernel.)
 """
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -43,6 +50,35 @@ from lightning_fp8.numerics.formats import FP8Format
 ROUND_NEAREST = 0
 ROUND_NOISE = 1  # stochastic, noise tensor given
 ROUND_PHILOX = 2  # stochastic, tl.rand(seed, offset)
+
+#: First Triton release that lowers the float32 -> FP8 conversion on sm89 to one `cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`.
+#: Triton 3.6 - 3.8 go through float16 truncated toward zero (`cvt.rz.f16.f32`, then the cvt from f16x2): a value just
+#: above a rounding midpoint becomes the midpoint and then rounds to even, i.e. down (1.0625001 -> 1.0 instead of
+#: 1.125). sm90+ converts from float32 directly in all of them. tests/test_triton_compile.py reads the PTX of both.
+SM89_SINGLE_ROUNDING_TRITON = (3, 9)
+
+
+def _release(version: str) -> Tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"cannot read a Triton release from {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def hardware_fp8_cast_supported(capability: Tuple[int, int], triton_version: Optional[str] = None) -> bool:
+    """Whether the kernels may use the hardware FP8 conversion (`HW_CAST`) on a GPU of this compute capability: it
+    must compile there and round like `numerics.quantize` (round to nearest even from float32, once).
+
+    sm90 and newer: yes. sm89: with Triton >= 3.9 (`triton_version`, default the installed one; older releases round
+    twice there, see SM89_SINGLE_ROUNDING_TRITON). Below sm89 (sm80/86/87): no; e4m3 does not compile ("fp8e4nv not
+    supported in this architecture") and e5m2 is Triton's own software conversion (3.9) or does not compile (3.6).
+    Where this is False the kernels use the exact integer rounding (`_soft_fp8_code`), which compiles everywhere."""
+    major, minor = (int(v) for v in capability)
+    if (major, minor) >= (9, 0):
+        return True
+    if (major, minor) >= (8, 9):
+        return _release(triton_version if triton_version is not None else triton.__version__) >= SM89_SINGLE_ROUNDING_TRITON
+    return False
 
 
 @triton.jit
@@ -80,6 +116,30 @@ def _soft_fp8_decode(code, MANT: tl.constexpr, BIAS: tl.constexpr):
     subnormal = mant.to(tl.float32) * sub_scale
     normal = (((exp - BIAS + 127) << 23) | (mant << (23 - MANT))).to(tl.float32, bitcast=True)
     return tl.where(exp == 0, subnormal, normal)
+
+
+@triton.jit
+def _soft_fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, HAS_INF: tl.constexpr):
+    """float32 value of a whole FP8 code (int32 in 0..255, torch's encoding), exact: sign, zeros, subnormals, and the
+    codes above the largest finite one (E4M3: 0x7F is NaN; E5M2: 0x7C is inf, the codes above it NaN)."""
+    mag_code = code & 0x7F
+    mag = _soft_fp8_decode(tl.minimum(mag_code, MAX_CODE), MANT, BIAS)
+    if HAS_INF:
+        mag = tl.where(mag_code == MAX_CODE + 1, float("inf"), mag)
+        mag = tl.where(mag_code > MAX_CODE + 1, float("nan"), mag)
+    else:
+        mag = tl.where(mag_code > MAX_CODE, float("nan"), mag)
+    return tl.where((code & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp8_value(code, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+               HAS_INF: tl.constexpr, HW_CAST: tl.constexpr):
+    """float32 value of a whole FP8 code (sign and specials included): the hardware conversion or the exact one."""
+    if HW_CAST:
+        return code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        return _soft_fp8_value(code, MANT, BIAS, MAX_CODE, HAS_INF)
 
 
 @triton.jit
@@ -249,6 +309,11 @@ _TL_DTYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _BIAS = {"e4m3": 7, "e5m2": 15}
 
 
+def format_constexprs(fmt: FP8Format) -> dict:
+    """The constexprs that describe an FP8 format to `_fp8_code` / `_fp8_value` (shared with optim/triton_adamw.py)."""
+    return dict(FP8_DTYPE=_TL_DTYPES[fmt.name], MANT=fmt.mantissa_bits, BIAS=_BIAS[fmt.name], MAX_CODE=fmt.max_code)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -302,10 +367,7 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             noise.stride(0) if noise is not None else 0,
             noise.stride(1) if noise is not None else 0,
             FP8_MAX=fmt.max,
-            FP8_DTYPE=_TL_DTYPES[fmt.name],
-            MANT=fmt.mantissa_bits,
-            BIAS=_BIAS[fmt.name],
-            MAX_CODE=fmt.max_code,
+            **format_constexprs(fmt),
             HW_CAST=hw_cast,
             WRITE_ROW=out is not None,
             WRITE_T=out_t is not None,

@@ -640,48 +640,61 @@ def test_triton_kernel_steps_on_the_parameters_device_not_the_current_one():
     assert _codes_close(m_tri, m_ref) > 0.99
 
 
-# -- Triton kernel under the interpreter (CPU; needs triton installed, which the CPU test env does not have) ------
-def _interpreter_check() -> None:
-    """Run in a process with TRITON_INTERPRET=1: one fused step against one reference step from the same state.
-
-    Parameters must agree to a few float32 ulps (same formula and scalar coefficients, rounding order may
-    differ), block scales to 1e-6, and stored codes exactly, except (a) the interpreter's known float8 bug:
-    a value that should round up to a power of two comes out as half of it (docs/numerics.md), and (b) at most 0.1%
-    one-code flips from float32 rounding-order differences."""
+# -- Triton kernel under the interpreter (CPU; triton is a test dependency on Linux) -------------------------------
+def _interpreter_step(vdt: str, decoupled: bool, maximize: bool, hw_cast: bool, grad_specials=()):
+    """One fused step and one reference step from the same state (3 reference steps in), default block size, 4257
+    elements (34 blocks, a masked tail). `grad_specials`: (flat index, value) pairs written into the gradient.
+    Returns (old p, reference p, fused p, reference state, fused state)."""
     from lightning_fp8.optim.reference import adamw_step_
     from lightning_fp8.optim.state import init_state
     from lightning_fp8.optim.triton_adamw import adamw_step_triton_
 
-    for vdt in ("fp16", "fp8"):
-        for decoupled, maximize in ((True, False), (False, True)):
-            torch.manual_seed(0)
-            w = nn.Parameter(torch.randn(300, 129))  # 38700 elements: a masked tail block
-            group = FP8AdamW([w], lr=1e-2, weight_decay=0.1, exp_avg_sq_dtype=vdt,
-                             decoupled_weight_decay=decoupled, maximize=maximize).param_groups[0]
-            state, p = init_state(w, group), w.detach().clone()
-            for t in range(3):
-                adamw_step_(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(t)) * 1e-3, state, group)
-            s_ref, s_tri = copy.deepcopy(state), copy.deepcopy(state)
-            p_ref, p_tri = p.clone(), p.clone()
-            grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(99)) * 1e-3
-            adamw_step_(p_ref, grad, s_ref, group)
-            adamw_step_triton_(p_tri, grad, s_tri, group)
-            # the update passes through ~8 float32 roundings (lerp, v update, sqrt, two divisions, + eps, * step
-            # size) whose order differs between torch's CPU kernels and the expression in the kernel; allow 4 ulps
-            # of the largest magnitude involved (old parameter, update, new parameter: cancellation-aware)
-            mag = torch.maximum(torch.maximum(p.abs(), p_ref.abs()), (p - p_ref).abs())
-            ulp = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
-            assert ((p_tri - p_ref).abs() <= 4 * ulp).all(), (vdt, float(((p_tri - p_ref).abs() / ulp).max()))
-            assert float(s_tri["step"]) == float(s_ref["step"]) == 4.0
-            for key in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv"):
-                assert torch.allclose(s_tri[key], s_ref[key], rtol=1e-6), key
-            for key in ("exp_avg", "exp_avg_sq"):
-                a, b = s_ref[key].float(), s_tri[key].float()
-                bad = a != b
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(33, 129))
+    group = FP8AdamW([w], lr=1e-2, weight_decay=0.1, exp_avg_sq_dtype=vdt, decoupled_weight_decay=decoupled,
+                     maximize=maximize).param_groups[0]
+    state, p = init_state(w, group), w.detach().clone()
+    assert "exp_avg_scale_inv" in state  # compressed with the default min_numel_fp8
+    for t in range(3):
+        adamw_step_(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(t)) * 1e-3, state, group)
+    s_ref, s_tri = copy.deepcopy(state), copy.deepcopy(state)
+    p_ref, p_tri = p.clone(), p.clone()
+    grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(99)) * 1e-3
+    for index, value in grad_specials:
+        grad.view(-1)[index] = value
+    adamw_step_(p_ref, grad, s_ref, group)
+    adamw_step_triton_(p_tri, grad, s_tri, group, hw_cast=hw_cast)
+    return p, p_ref, p_tri, s_ref, s_tri
+
+
+def _interpreter_check() -> None:
+    """Run in a process with TRITON_INTERPRET=1: the fused step against the reference step, for both FP8 conversions
+    of the kernel (the exact integer one, which sm80-87 run and the interpreter selects; the hardware one).
+
+    Parameters must agree to a few float32 ulps (same formula and scalar coefficients, rounding order may differ),
+    block scales to 1e-6, and stored codes exactly up to 0.1% one-code flips from float32 rounding-order differences;
+    only the hardware-conversion variant may also show the interpreter's own float8 bug (a value that should round
+    up to a power of two comes out as half of it, docs/numerics.md)."""
+    configs = [(vdt, decoupled, maximize, False) for vdt in ("fp16", "fp8")
+               for decoupled, maximize in ((True, False), (False, True))] + [("fp8", True, False, True)]
+    for vdt, decoupled, maximize, hw_cast in configs:
+        p, p_ref, p_tri, s_ref, s_tri = _interpreter_step(vdt, decoupled, maximize, hw_cast)
+        # the update passes through ~8 float32 roundings (lerp, v update, sqrt, two divisions, + eps, * step
+        # size) whose order differs between torch's CPU kernels and the expression in the kernel; allow 4 ulps
+        # of the largest magnitude involved (old parameter, update, new parameter: cancellation-aware)
+        mag = torch.maximum(torch.maximum(p.abs(), p_ref.abs()), (p - p_ref).abs())
+        ulp = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+        assert ((p_tri - p_ref).abs() <= 4 * ulp).all(), (vdt, float(((p_tri - p_ref).abs() / ulp).max()))
+        assert float(s_tri["step"]) == float(s_ref["step"]) == 4.0
+        for key in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv"):
+            assert torch.allclose(s_tri[key], s_ref[key], rtol=1e-6), key
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = s_ref[key].float(), s_tri[key].float()
+            bad = a != b
+            if hw_cast:
                 power_of_two = torch.frexp(a.abs())[0] == 0.5
-                interp_bug = bad & power_of_two & (b == a / 2)
-                other = bad & ~interp_bug
-                assert float(other.float().mean()) <= 1e-3, (vdt, key, float(other.float().mean()))
+                bad = bad & ~(power_of_two & (b == a / 2))
+            assert float(bad.float().mean()) <= 1e-3, (vdt, key, hw_cast, float(bad.float().mean()))
     print("interpreter check passed")
 
 

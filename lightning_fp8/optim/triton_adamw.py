@@ -12,6 +12,11 @@ switch state.FP8_SQRT_V_ROUNDING = "nearest"; the kernel rounds sqrt(v) to neare
 weights, which draw from the seeded torch generator; CPU tensors) falls back to the torch reference per
 parameter, so the two backends produce the same results wherever they both apply.
 
+The FP8 moments are read and written as their uint8 codes and converted by the cast kernel's helpers
+(kernels/triton_cast.py): the hardware cvt where `hardware_fp8_cast_supported` says it compiles and rounds like the
+reference (sm90+, sm89 with Triton >= 3.9), the exact integer rounding elsewhere. sm80/86/87 (A100, A10, RTX 30xx)
+cannot compile an e4m3 conversion at all, so without the integer variant the kernel would not run there.
+
 Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
 coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
 
@@ -24,13 +29,15 @@ Launches are per parameter, not one multi-tensor launch; that is the next step i
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from lightning_fp8.kernels import use_soft_cast
 from lightning_fp8.kernels.launch import device_guard
+from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs, hardware_fp8_cast_supported
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
@@ -43,7 +50,10 @@ def _fp8_adamw_block_kernel(
     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, bias_correction2_sqrt,
     DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, V_FP8: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, BLOCK: tl.constexpr, FLT_MAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, HAS_INF: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
+    # m_ptr (and v_ptr when V_FP8) hold E4M3 codes as uint8; v_ptr holds float16 otherwise
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -51,9 +61,11 @@ def _fp8_adamw_block_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(m_sinv_ptr + pid)
+    m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m = _fp8_value(m_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(m_sinv_ptr + pid)
     if V_FP8:
-        root = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
+        v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
+        root = _fp8_value(v_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(v_sinv_ptr + pid)
         v = root * root
     else:
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
@@ -74,7 +86,7 @@ def _fp8_adamw_block_kernel(
     m_ok = (m_amax > 0) & (m_amax < float("inf"))
     m_scale = tl.where(m_ok, tl.minimum(tl.math.div_rn(M_MAX, tl.where(m_ok, m_amax, 1.0)), FLT_MAX), 1.0)
     m_q = tl.minimum(tl.maximum(m * m_scale, -M_MAX), M_MAX)
-    tl.store(m_ptr + offs, m_q.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, _fp8_code(m_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
     tl.store(m_sinv_ptr + pid, tl.math.div_rn(1.0, m_scale))
     if V_FP8:
         vs = tl.sqrt_rn(v)
@@ -84,7 +96,10 @@ def _fp8_adamw_block_kernel(
     v_ok = (v_amax > 0) & (v_amax < float("inf"))
     v_scale = tl.where(v_ok, tl.minimum(tl.math.div_rn(V_MAX, tl.where(v_ok, v_amax, 1.0)), FLT_MAX), 1.0)
     v_q = tl.minimum(tl.maximum(vs * v_scale, -V_MAX), V_MAX)
-    tl.store(v_ptr + offs, v_q.to(v_ptr.dtype.element_ty), mask=mask)
+    if V_FP8:
+        tl.store(v_ptr + offs, _fp8_code(v_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
+    else:
+        tl.store(v_ptr + offs, v_q.to(tl.float16), mask=mask)
     tl.store(v_sinv_ptr + pid, tl.math.div_rn(1.0, v_scale))
 
 
@@ -106,9 +121,20 @@ def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) 
     )
 
 
+def uses_hardware_cast(param: torch.Tensor) -> bool:
+    """Whether the step of `param` converts its FP8 moments with the hardware cvt: on a GPU where it compiles and rounds
+    like the reference (`hardware_fp8_cast_supported`), unless LIGHTNING_FP8_SOFT_CAST=1 (`use_soft_cast`, which also
+    answers for CPU tensors under the interpreter)."""
+    if use_soft_cast(param):
+        return False
+    return hardware_fp8_cast_supported(torch.cuda.get_device_capability(param.device))
+
+
 @torch.no_grad()
-def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
-    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts."""
+def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], *,
+                       hw_cast: Optional[bool] = None) -> None:
+    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts. `hw_cast`: the FP8 conversion
+    (None: `uses_hardware_cast(param)`; the interpreter tests force either)."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     state["step"] += 1
@@ -120,9 +146,10 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
     numel = param.numel()
     bs = group["block_size"]
     grid = (triton.cdiv(numel, bs),)
+    exp_avg_sq = state["exp_avg_sq"].view(torch.uint8) if v_fp8 else state["exp_avg_sq"]
     with device_guard(param):
         _fp8_adamw_block_kernel[grid](
-            param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"],
+            param, grad, state["exp_avg"].view(torch.uint8), state["exp_avg_scale_inv"], exp_avg_sq,
             state["exp_avg_sq_scale_inv"],
             numel,
             1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1,
@@ -130,7 +157,9 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
             DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
             V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
             FLT_MAX=torch.finfo(torch.float32).max,
+            **format_constexprs(E4M3), HAS_INF=E4M3.has_inf,
+            HW_CAST=uses_hardware_cast(param) if hw_cast is None else hw_cast,
         )
 
 
-__all__ = ["supports", "adamw_step_triton_"]
+__all__ = ["supports", "adamw_step_triton_", "uses_hardware_cast"]
