@@ -45,6 +45,8 @@ _POINTER_TYPES = {
 DIRECT_CVT = {"e4m3": "cvt.rn.satfinite.e4m3x2.f32", "e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
 #: any conversion to or from an FP8 format in PTX
 ANY_FP8_CVT = re.compile(r"\bcvt\.[a-z0-9.]*(e4m3|e5m2)")
+#: a float min / max that returns the other operand for a NaN (PTX spells the propagating form `max.NaN.f32`)
+NAN_DROPPING_MIN_MAX = re.compile(r"\b(?:redux\.sync\.)?(?:max|min)(?:\.ftz)?(?:\.abs)?\.(?:f16|bf16|f32|f64)(?:x2)?\b")
 
 
 def capability(arch: int) -> Tuple[int, int]:
@@ -218,3 +220,19 @@ def test_sm89_hardware_conversion_is_selected_only_where_triton_rounds_once(monk
         assert hardware_fp8_cast_supported((8, 9)) == single_rounding, (triton.__version__, fmt.name)
     assert hardware_fp8_cast_supported((8, 9), "3.9.0") and not hardware_fp8_cast_supported((8, 9), "3.6.0")
     assert hardware_fp8_cast_supported((9, 0), "3.6.0") and hardware_fp8_cast_supported((12, 0), "3.6.0")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_adamw_step_has_no_nan_dropping_min_max(monkeypatch, arch):
+    """Defect: the fused step's block amax (tl.max) and saturation (tl.maximum / tl.minimum) compiled to PTX max.f32 /
+    min.f32, which return the other operand for a NaN: a NaN moment was stored as -448 * s, a NaN second moment as
+    -65504 * s, and the block scale ignored it (the reference keeps NaN, scale 1). Now the amax is an integer max
+    over the bit patterns and every float min / max is the NaN-propagating form; the interpreter check in
+    tests/test_optim.py runs the same source against the reference with NaN gradients."""
+    variants = [adamw_variant(monkeypatch, arch)]
+    if arch in (80, 90):  # the float16 second moment, with each conversion
+        variants.append(adamw_variant(monkeypatch, arch, "fp16", weight_decay=0.0, maximize=True))
+    for variant in variants:
+        ptx = ptx_of(variant, arch)
+        assert not NAN_DROPPING_MIN_MAX.findall(ptx), (variant, NAN_DROPPING_MIN_MAX.findall(ptx))
+        assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx and "max.s32" in ptx  # the scan reads real code

@@ -17,6 +17,11 @@ The FP8 moments are read and written as their uint8 codes and converted by the c
 reference (sm90+, sm89 with Triton >= 3.9), the exact integer rounding elsewhere. sm80/86/87 (A100, A10, RTX 30xx)
 cannot compile an e4m3 conversion at all, so without the integer variant the kernel would not run there.
 
+Non-finite values are kept as the reference keeps them: a NaN moment stays NaN, a block holding NaN or inf gets
+scale 1 (`_block_scale`: an integer max over the bit patterns, as the cast kernel's amax; `_saturate`: NaN
+selected around the clamp). Float tl.max / tl.maximum / tl.minimum return the other operand for a NaN on a GPU, which
+stored a NaN moment as -448 * s before.
+
 Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
 coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
 
@@ -41,6 +46,29 @@ from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_cons
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
+
+
+@triton.jit
+def _block_scale(values, mask, FMT_MAX: tl.constexpr, FLT_MAX: tl.constexpr):
+    """The block's quantization scale, blockwise.quantize_blockwise's rule: FMT_MAX / amax, 1 for a block that is all
+    zeros or holds inf or NaN. The amax is a max over the float32 bit patterns with the sign cleared, as integers (the
+    cast kernel's way): for non-negative floats integer order is float order and every NaN sorts above inf, so NaN
+    propagates like torch.amax; a float tl.max drops NaN on a GPU."""
+    bits = tl.where(mask, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    amax = tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+    ok = (amax > 0) & (amax < float("inf"))
+    scale = tl.minimum(tl.math.div_rn(FMT_MAX, tl.where(ok, amax, 1.0)), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(ok, scale, 1.0)
+
+
+@triton.jit
+def _saturate(y, FMT_MAX: tl.constexpr):
+    """Clamp to +-FMT_MAX with NaN kept, bit for bit (numerics.quantize.saturate): on a GPU tl.minimum / tl.maximum
+    return the other operand for a NaN, so NaN is selected around them; the NaN-propagating forms keep the compiled
+    kernel free of NaN-dropping float min/max (tests/test_triton_compile.py reads its PTX)."""
+    clamped = tl.minimum(tl.maximum(y, -FMT_MAX, propagate_nan=tl.PropagateNan.ALL), FMT_MAX,
+                         propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(y != y, y, clamped)
 
 
 @triton.jit
@@ -81,21 +109,18 @@ def _fp8_adamw_block_kernel(
     p = p - step_size * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p, mask=mask)
 
-    # re-quantize the moments: scale = max / amax (1 for an all-zero or non-finite block), saturate, cast
-    m_amax = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
-    m_ok = (m_amax > 0) & (m_amax < float("inf"))
-    m_scale = tl.where(m_ok, tl.minimum(tl.math.div_rn(M_MAX, tl.where(m_ok, m_amax, 1.0)), FLT_MAX), 1.0)
-    m_q = tl.minimum(tl.maximum(m * m_scale, -M_MAX), M_MAX)
+    # re-quantize the moments: scale = max / amax (1 for an all-zero or non-finite block), saturate, cast; NaN stays
+    # NaN throughout, as in the reference
+    m_scale = _block_scale(m, mask, M_MAX, FLT_MAX)
+    m_q = _saturate(m * m_scale, M_MAX)
     tl.store(m_ptr + offs, _fp8_code(m_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
     tl.store(m_sinv_ptr + pid, tl.math.div_rn(1.0, m_scale))
     if V_FP8:
         vs = tl.sqrt_rn(v)
     else:
         vs = v
-    v_amax = tl.max(tl.where(mask, tl.abs(vs), 0.0), axis=0)
-    v_ok = (v_amax > 0) & (v_amax < float("inf"))
-    v_scale = tl.where(v_ok, tl.minimum(tl.math.div_rn(V_MAX, tl.where(v_ok, v_amax, 1.0)), FLT_MAX), 1.0)
-    v_q = tl.minimum(tl.maximum(vs * v_scale, -V_MAX), V_MAX)
+    v_scale = _block_scale(vs, mask, V_MAX, FLT_MAX)
+    v_q = _saturate(vs * v_scale, V_MAX)
     if V_FP8:
         tl.store(v_ptr + offs, _fp8_code(v_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
     else:
