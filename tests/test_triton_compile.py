@@ -172,6 +172,108 @@ def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", **group
                   lambda: triton_adamw.adamw_step_triton_(w.detach(), w.grad, state, group))[0]
 
 
+#: constexprs that carry a number (block sizes, history length, format constants) rather than choose code
+NUMERIC_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "BLOCK", "HIST_LEN", "HIST_BLOCK", "MARGIN_DIV", "FP8_MAX", "MANT", "BIAS",
+                      "MAX_CODE", "M_MAX", "V_MAX", "FLT_MAX"}
+
+
+def _features(variant: Variant) -> set:
+    """What a variant exercises: each code-choosing constexpr's value and each argument's type."""
+    return ({(variant.kernel.__name__, "arg", k, t) for k, t in variant.signature.items() if t != "constexpr"}
+            | {(variant.kernel.__name__, "constexpr", k, repr(v)) for k, v in variant.constexprs.items()
+               if k not in NUMERIC_CONSTEXPRS and k != "HW_CAST"})
+
+
+def covering(variants: List[Variant]) -> List[Variant]:
+    """A few of `variants` in which every constexpr value and argument type of all of them occurs (greedy cover)."""
+    unique = list({v.key(): v for v in variants}.values())
+    needed = set().union(*(_features(v) for v in unique))
+    chosen = []
+    while needed:
+        best = max(unique, key=lambda v: len(_features(v) & needed))
+        chosen.append(best)
+        needed -= _features(best)
+    return chosen
+
+
+def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Variant]]:
+    """Every variant the launchers emit over their options: the cast kernel (launch_cast: layouts, amax, rounding,
+    skip flag; launch_scaled_cast: scaling mode, history reduction, power-of-two, layouts, recording, rounding; both
+    formats, the three input dtypes), the close-step kernel (step taken or not) and the fused AdamW step (second
+    moment dtype, decoupled, maximize, weight decay)."""
+    import itertools
+
+    from lightning_fp8.kernels import triton_scaling
+    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+    from lightning_fp8.recipe import FP8Recipe
+
+    def cast_calls():
+        for dtype, fmt in itertools.product((torch.float32, torch.bfloat16, torch.float16), FORMATS):
+            x = torch.randn(16, 32).to(dtype)
+            roundings = (dict(), dict(noise=torch.rand(16, 32)), dict(seed=torch.tensor([3])))
+            for (row, t), amax, rounding in itertools.product(((True, False), (False, True), (True, True)),
+                                                              (True, False), roundings):
+                triton_cast.launch_cast(x, torch.tensor(2.0), fmt, write_row=row, write_t=t, compute_amax=amax,
+                                        **rounding)
+            for skip_if in (None, torch.tensor(False)):
+                triton_cast.launch_cast(x, None, fmt, write_row=False, write_t=False, compute_amax=True,
+                                        skip_if=skip_if)
+            for scaling, algo_max, pow2, t, rec, rounding in itertools.product(
+                    ("delayed", "current", "none"), (True, False), (False, True), (False, True), (False, True),
+                    roundings):
+                triton_cast.launch_scaled_cast(x, torch.zeros(17), fmt, scaling, algo_max, 1, pow2, write_t=t,
+                                               record=rec, **rounding)
+
+    casts = record(monkeypatch, triton_cast, "_cast_kernel", cast_calls)
+    meta = FP8LinearMeta(FP8Recipe())
+    closes = []
+    for taken in (True, False):
+        closes += record(monkeypatch, triton_scaling, "_close_step_kernel", lambda: triton_scaling.launch_close_step(
+            meta.amax_history.clone(), meta.overflow_count.clone(), meta.clip_count.clone(),
+            *meta.constants().values(), taken))
+    steps = [adamw_variant(monkeypatch, 90, vdt, decoupled_weight_decay=decoupled, maximize=maximize,
+                           weight_decay=wd)
+             for vdt, decoupled, maximize, wd in itertools.product(("fp16", "fp8"), (True, False), (False, True),
+                                                                   (0.0, 0.01))]
+    return casts, closes, steps
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_variants() -> Tuple[Tuple[Variant, int], ...]:
+    """The covering variants of each kernel, each with the architecture it is compiled for (round robin, so every
+    architecture gets a share and each variant compiles once) and that architecture's choice of conversion."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        casts, closes, steps = _every_launch(monkeypatch)
+    chosen = covering(casts) + covering(closes) + covering(steps)
+    assigned = []
+    for i, variant in enumerate(chosen):
+        arch = ARCHS[i % len(ARCHS)]
+        if "HW_CAST" in variant.constexprs:
+            variant = variant.with_(HW_CAST=hardware_fp8_cast_supported(capability(arch)))
+        assigned.append((variant, arch))
+    return tuple(assigned)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_launcher_variant_compiles(arch):
+    """Each code-choosing constexpr value and argument type the launchers emit, compiled at least once (a covering
+    subset of every launch, not the cross product: the architecture-dependent part, the conversion, is checked per
+    architecture above)."""
+    share = [variant for variant, on in launcher_variants() if on == arch]
+    assert share
+    for variant in share:
+        ptx_of(variant, arch)
+
+
+def test_launcher_variants_cover_every_choice():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        everything = [v for group in _every_launch(monkeypatch) for v in group]
+    compiled = launcher_variants()
+    assert set().union(*(_features(v) for v in everything)) == set().union(*(_features(v) for v, _ in compiled))
+    assert {arch for _, arch in compiled} == set(ARCHS)
+    assert len(compiled) <= 20, len(compiled)  # keeps the suite fast
+
+
 # -- selection: what each architecture runs compiles, with the conversion we rely on -----------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_selected_cast_variant_compiles_with_the_conversion_we_rely_on(monkeypatch, arch):
