@@ -84,6 +84,24 @@ def wide_random(shape, seed=0, device="cpu") -> torch.Tensor:
     return (mant * torch.exp2(expo)).to(device)
 
 
+def special_values(dtype=torch.float32) -> torch.Tensor:
+    """NaN (both signs), +-inf, +-0, the input dtype's smallest subnormal, a subnormal of it and its smallest normal,
+    its largest finite value (beyond every FP8 max), and values that land on FP8 subnormals or round to zero after
+    a scale of about 1."""
+    info = torch.finfo(dtype)
+    return torch.tensor(
+        [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, info.tiny * info.eps, -info.tiny / 2,
+         info.tiny, info.max, -info.max, 2.0**-10, -(2.0**-17), 2.0**-20], dtype=torch.float32).to(dtype)
+
+
+def with_specials(x: torch.Tensor, specials: torch.Tensor) -> torch.Tensor:
+    """x with `specials` written over elements spread across it (any strides; x is modified and returned)."""
+    m, n = x.shape
+    for k, value in enumerate(specials):
+        x[(7 * k) % m, (13 * k + k // n) % n] = value
+    return x
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CPU: package, ops on the reference backend, fused orchestration
 # ------------------------------------------------------------------------------------------------------------------
@@ -418,8 +436,8 @@ def test_every_triton_launch_is_under_the_tensors_device_guard():
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 interp = pytest.mark.skipif(
     not HAS_TRITON or HAS_CUDA or not INTERPRETING,
-    reason="interpreter tests: need triton (not a test dependency: a ~290 MB wheel), no GPU, and TRITON_INTERPRET=1 "
-    "from the start of the process (test_interpreter_suite runs them so)",
+    reason="interpreter tests: need triton (a test dependency on Linux), no GPU, and TRITON_INTERPRET=1 from the start "
+    "of the process (test_interpreter_suite runs them so)",
 )
 
 
@@ -478,7 +496,7 @@ def test_interp_soft_cast_bit_exact_on_edge_values(triton_interp, fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_interp_random_dtypes(triton_interp, fmt, dtype):
-    x = wide_random((40, 72), seed=3).clamp(-6e4, 6e4).to(dtype)
+    x = with_specials(wide_random((40, 72), seed=3).clamp(-6e4, 6e4).to(dtype), special_values(dtype))
     s = torch.tensor(7.25)
     out, _, amax = _launch(triton_interp, x, s, fmt)
     assert_same_fp8(out, quantize(x, s, fmt))
@@ -490,6 +508,7 @@ def test_interp_random_dtypes(triton_interp, fmt, dtype):
 def test_interp_shapes_and_strides(triton_interp, shape):
     base = wide_random((shape[1], shape[0]), seed=5)
     for x in (base.t(), wide_random(shape, seed=6), wide_random((shape[0], 2 * shape[1]), seed=7)[:, ::2]):
+        with_specials(x, special_values()[-x.numel():])
         s = torch.tensor(0.75)
         out, out_t, amax = _launch(triton_interp, x, s, E4M3, write_t=True)
         ref = quantize(x, s, E4M3)
@@ -514,6 +533,38 @@ def test_interp_amax_nan_inf_and_skip(triton_interp):
     assert skipped.item() == 0.0
     kept = _launch(triton_interp, y, None, E4M3, write_row=False, skip_if=torch.tensor(False))[2]
     assert_same_amax(kept, tensor_amax(y))
+    negative_zeros = torch.full((9, 17), -0.0)
+    amax = _launch(triton_interp, negative_zeros, None, E4M3, write_row=False)[2]
+    assert amax.view(torch.int32).item() == 0  # +0, as torch.amax(|x|)
+    subnormals = torch.full((9, 17), 1e-40)
+    subnormals[4, 5] = -3e-39
+    assert_same_amax(_launch(triton_interp, subnormals, None, E4M3, write_row=False)[2], tensor_amax(subnormals))
+
+
+@interp
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_interp_soft_decode_of_every_code(triton_interp, fmt, monkeypatch):
+    """`_soft_fp8_value`, the integer-only decode the fused AdamW step reads its FP8 moments with where the hardware
+    conversion does not compile (sm80-87): every one of the 256 codes, bit for bit with torch (NaN as NaN)."""
+    import triton
+    import triton.language as tl
+
+    # the interpreter resolves names in the kernel's module globals (this file imports no triton at module level)
+    monkeypatch.setitem(globals(), "_soft_fp8_value", triton_interp._soft_fp8_value)
+
+    @triton.jit
+    def decode(code_ptr, out_ptr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+               HAS_INF: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(out_ptr + offs, _soft_fp8_value(tl.load(code_ptr + offs), MANT, BIAS, MAX_CODE, HAS_INF))  # noqa: F821
+
+    codes = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256)
+    decode[(1,)](codes, out, MANT=fmt.mantissa_bits, BIAS=7 if fmt is E4M3 else 15, MAX_CODE=fmt.max_code,
+                 HAS_INF=fmt.has_inf)
+    expected = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))
 
 
 @interp
@@ -565,13 +616,18 @@ def test_interp_scaled_cast_fused_matches_reference(triton_interp, name, monkeyp
     _assert_runs_equal(_run_casts(recipe, False, monkeypatch, steps=2), _run_casts(recipe, True, monkeypatch, steps=2))
 
 
+# unscaled casts ignore the history: one case of them is enough
+_SCALE_DERIVATION_CASES = [(scaling, history, power_of_2) for scaling in ("delayed", "current")
+                           for history in ("empty", "filled", "most_recent") for power_of_2 in (False, True)]
+_SCALE_DERIVATION_CASES.append(("none", "filled", False))
+
+
 @interp
-@pytest.mark.parametrize("scaling", ["delayed", "current", "none"])
-@pytest.mark.parametrize("history", ["empty", "filled", "most_recent"])
-@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize("scaling, history, power_of_2", _SCALE_DERIVATION_CASES)
 def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling, history, power_of_2):
     """launch_scaled_cast derives the scale inside the kernel from the history (and a pre-pass amax): bit-exact
-    with numerics.scaling.cast_scale, the same bytes, the same open-slot amax (NaN kept), for both formats."""
+    with numerics.scaling.cast_scale, the same bytes, the same open-slot amax (NaN kept), for both formats; inputs
+    with -0 and subnormals, then with a NaN or an inf (the amax is unusable: the scale falls back)."""
     from lightning_fp8.kernels.reference import scaled_cast_reference
 
     for fmt, margin in ((E4M3, 0), (E5M2, 2)):
@@ -579,11 +635,13 @@ def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling
         if history != "empty":
             hist[1, 1:5] = torch.tensor([3.0, 11.0, 0.5, 2.0])
         algo_max = history != "most_recent"
-        for x in (wide_random((33, 70), seed=2).clamp(-3e4, 3e4), torch.randn(16, 32) * 5):
-            for with_nan in (False, True):
+        inputs = ((with_specials(wide_random((33, 70), seed=2).clamp(-3e4, 3e4), special_values()[4:8]),
+                   float("nan")), (torch.randn(16, 32) * 5, -float("inf")))
+        for x, special in inputs:
+            for with_special in (False, True):
                 x = x.clone()
-                if with_nan:
-                    x[1, 1] = float("nan")
+                if with_special:
+                    x[1, 1] = special
                 h_kernel, h_ref = hist.clone(), hist.clone()
                 out, out_t, scale, scale_inv = triton_interp.launch_scaled_cast(
                     x, h_kernel[1], fmt, scaling, algo_max, margin, power_of_2, write_t=True, record=True,
