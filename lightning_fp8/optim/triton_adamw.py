@@ -26,10 +26,11 @@ Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as to
 coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
 
 Verification status: NOT run on a GPU (none was available while writing it). Under the Triton interpreter on
-CPU (tests/test_optim.py::test_triton_kernel_under_interpreter) one step from the same state matches the
-reference: parameters to float32 rounding, scales, and every stored code except where the interpreter's own
-float8 conversion mis-rounds (it halves values that should round up to a power of two, see docs/numerics.md).
-The hardware float8 conversion is checked by tests/test_optim.py -m cuda only.
+CPU (tests/test_optim.py::test_interp_fused_adamw_step_matches_reference) one step from the same state matches the
+reference, also with NaN and inf gradients: parameters to float32 rounding, scales, and the stored codes (with the
+hardware-conversion variant, except where the interpreter's own float8 conversion mis-rounds: it halves values
+that should round up to a power of two, see docs/numerics.md). The hardware float8 conversion is checked by
+tests/test_optim.py -m cuda only; tests/test_triton_compile.py compiles both variants for every architecture.
 Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
 """
 from __future__ import annotations
