@@ -71,7 +71,8 @@ def hardware_fp8_cast_supported(capability: Tuple[int, int], triton_version: Opt
 
     sm90 and newer: yes. sm89: with Triton >= 3.9 (`triton_version`, default the installed one; older releases round
     twice there, see SM89_SINGLE_ROUNDING_TRITON). Below sm89 (sm80/86/87): no; e4m3 does not compile ("fp8e4nv not
-    supported in this architecture") and e5m2 is Triton's own software conversion (3.9) or does not compile (3.6).
+    supported in this architecture") and e5m2 is Triton's own software conversion (3.6: through float16 truncated
+    toward zero, and some variants do not compile).
     Where this is False the kernels use the exact integer rounding (`_soft_fp8_code`), which compiles everywhere."""
     major, minor = (int(v) for v in capability)
     if (major, minor) >= (9, 0):
