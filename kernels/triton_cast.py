@@ -130,7 +130,8 @@ def _soft_fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.c
         mag = tl.where(mag_code > MAX_CODE + 1, float("nan"), mag)
     else:
         mag = tl.where(mag_code > MAX_CODE, float("nan"), mag)
-    return tl.where((code & 0x80) != 0, -mag, mag)
+    # the sign as a bit: Triton 3.6 negates a float as 0 - x, which turns -0 into +0
+    return (mag.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
