@@ -128,11 +128,15 @@ def tiled_cast_reference(
     rounding = "stochastic" if noise is not None else "nearest"
     q = s = q_t = s_t = None
     amax = None
+    # every output contiguous (row-major), whatever x's layout: what the op's fake implementation promises and what
+    # a kernel writes; x^T cast from the transposed view would otherwise come back column-major
     if len(tile):
         q, s, amax = quantize_tiles(x, tile, fmt, margin, power_of_2, rounding=rounding, noise=noise)
+        q, s = q.contiguous(), s.contiguous()
     if len(tile_t):
         noise_t = noise.t() if noise is not None else None
         q_t, s_t, amax_t = quantize_tiles(x.t(), tile_t, fmt, margin, power_of_2, rounding=rounding, noise=noise_t)
+        q_t, s_t = q_t.contiguous(), s_t.contiguous()
         amax = amax_t if amax is None else amax
     if record:
         if amax is None:

@@ -23,15 +23,9 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8.modules.gemm import (
-    FP8EmulationWarning,
-    _scaled_mm_applies,
-    _bf16_gemm,
-    _scaled_mm_gemm,
-    emulated_gemm,
-    fp8_bf16_image,
-    fp8_gemm,
-)
+from lightning_fp8.kernels.device import simulate_cuda
+from lightning_fp8.modules.gemm import FP8EmulationWarning, _bf16_gemm, emulated_gemm, fp8_bf16_image, fp8_gemm
+from lightning_fp8.modules.scaled_mm import GemmOperands, Refusal, ScaledMMCall, plan_scaled_mm, target_for
 from lightning_fp8.numerics import E4M3, quantize
 
 HAS_CUDA = torch.cuda.is_available()
@@ -94,8 +88,10 @@ def test_fp8_gemm_traces_without_graph_breaks():
 # ------------------------------------------------------------------------------------------------------------------
 # the _scaled_mm path's layout / padding / bias logic, run through CPU _scaled_mm (slow there: small shapes only)
 # ------------------------------------------------------------------------------------------------------------------
-def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias):
-    out = _scaled_mm_gemm(a, sa, b, sb, out_dtype, bias, False)
+def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias, arch=(9, 0)):
+    call = plan_scaled_mm(GemmOperands(a, sa, None, b, sb, None, out_dtype, bias, False), target_for(arch))
+    assert isinstance(call, ScaledMMCall), call
+    out = call.launch()
     ref = emulated_gemm(a, sa, b, sb, out_dtype, bias)
     assert out.dtype == out_dtype and out.shape == ref.shape and out.is_contiguous()
     if out_dtype == torch.float32:
@@ -128,12 +124,18 @@ def test_scaled_mm_path_pads_and_fixes_layouts(m, k, n, out_dtype, with_bias):
 
 def test_e5m2_times_e5m2_is_emulated():
     a, b = _fp8((16, 16), E5, 1), _fp8((16, 16), E5, 2)
-    with pytest.warns(FP8EmulationWarning, match="two e5m2"):
-        import lightning_fp8.modules.gemm as gemm
+    one = torch.tensor(1.0)
+    plan = plan_scaled_mm(GemmOperands(a, one, None, b, one, None, torch.float32, None, False), target_for((9, 0)))
+    assert isinstance(plan, Refusal) and "two e5m2" in plan.reason
+    import lightning_fp8.modules.gemm as gemm
 
-        gemm._warned_e5m2 = False
-        assert not _scaled_mm_applies(a, b)
-    assert _scaled_mm_applies(a, b.to(torch.float32).to(E4)) is True
+    gemm._warned.clear()
+    with simulate_cuda((9, 0)), pytest.warns(FP8EmulationWarning, match="two e5m2"):
+        out = fp8_gemm(a, one, b, one, torch.float32)
+    assert torch.equal(out, emulated_gemm(a, one, b, one, torch.float32))
+    e4 = b.to(torch.float32).to(E4)
+    assert isinstance(plan_scaled_mm(GemmOperands(a, one, None, e4, one, None, torch.float32, None, False),
+                                     target_for((9, 0))), ScaledMMCall)
 
 
 def test_scaled_mm_backend_requires_capable_gpu():
