@@ -129,3 +129,269 @@ def test_interp_cast_ops_match_their_fake_impls_on_the_triton_path(case):
     with _path("triton"):
         assert kernels.triton_enabled_for(args[0]), "the Triton path must be the one under test"
         _opcheck(op, args, CAST_UTILS)
+
+
+# -- GEMM contract: every scaled-GEMM call of a layer, per architecture --------------------------------------------
+from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
+from lightning_fp8.modules.gemm import record_gemms  # noqa: E402
+from lightning_fp8.modules.scaled_mm import (  # noqa: E402
+    BLOCKWISE,
+    ROWWISE,
+    TENSORWISE,
+    V2,
+    Refusal,
+    ScaledMMCall,
+    check_call,
+    plan_scaled_mm,
+    target_for,
+)
+
+ARCHS = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
+RECIPES = {
+    "delayed": FP8Recipe(),
+    "current": FP8Recipe(scaling="current"),
+    "rowwise": FP8Recipe(scaling="rowwise"),
+    "blockwise": FP8Recipe(scaling="blockwise"),
+}
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: (tokens M, in K, out N) run for real on CPU: K/128 = 6 (the padded 128x128 scale layout), token counts that are
+#: not multiples of 16 or 128, dimensions not multiples of 16 (padded), one 128-block dimensions
+SMALL_SHAPES = [(256, 768, 768), (100, 128, 768), (128, 768, 128), (33, 40, 24)]
+#: LLaMA-like shapes, run on meta tensors (the casts' fake implementations, which the opcheck tests above prove equal
+#: to the real outputs' shapes and strides on every path): K, N in {4096, 11008, 14336}
+LARGE_SHAPES = [(1000, 4096, 11008), (4096, 11008, 4096), (8192, 4096, 14336), (2048, 14336, 4096)]
+
+
+def layer_gemms(recipe, shape, out_dtype, bias, device="cpu", triton=False):
+    """The GEMM requests of one FP8Linear forward + backward (training), on the casts a CUDA machine runs (the
+    torch reference, or the Triton kernels where `triton`), every operand as the layer hands it over."""
+    m, k, n = shape
+    with simulate_cuda((9, 0), triton=triton), record_gemms() as records:
+        torch.manual_seed(0)
+        layer = FP8Linear(k, n, bias=bias, device=device, dtype=out_dtype, recipe=recipe)
+        x = torch.randn(m, k, device=device, dtype=out_dtype, requires_grad=True)
+        layer(x).float().square().sum().backward()
+    assert len(records) == 3, "forward, dgrad and wgrad"
+    return records
+
+
+def expected_native(arch, ops):
+    """Whether the GEMM must run on the GPU's scaled GEMM (True) or be refused (False), stated independently of the
+    planner from the rules of lightning_fp8/modules/scaled_mm.py. (A blockwise recipe's GEMM whose contraction is
+    one 128-block is rowwise scaling: one scale per row and column.)"""
+    m, k, n = ops.shape
+    kind = ops.kind()
+    if ops.a.dtype == E5 and ops.b.dtype == E5:
+        return False
+    if kind == TENSORWISE:
+        return True
+    if kind == ROWWISE:
+        return arch == "sm90" or (ops.out_dtype != torch.float32 and ops.b.dtype == E4)
+    assert kind in BLOCKWISE, kind
+    return arch == "sm90" and m % 128 == 0 and k % 128 == 0 and n % 128 == 0 and ops.a.dtype == ops.b.dtype == E4
+
+
+def check_on_every_arch(records, scaling):
+    kinds = {"delayed": {TENSORWISE}, "current": {TENSORWISE}, "rowwise": {ROWWISE}, "blockwise": {ROWWISE, *BLOCKWISE}}
+    for arch, capability in ARCHS.items():
+        target = target_for(capability)
+        for ops in records:
+            assert ops.kind() in kinds[scaling], (scaling, ops.kind())
+            plan = plan_scaled_mm(ops, target)
+            where = f"{arch}, {scaling}, GEMM {tuple(ops.shape)} {ops.a.dtype} x {ops.b.dtype} -> {ops.out_dtype}"
+            if not expected_native(arch, ops):
+                assert isinstance(plan, Refusal) and plan.reason, f"{where}: must be refused with a reason, got {plan}"
+                continue
+            assert isinstance(plan, ScaledMMCall), f"{where}: refused ({plan})"
+            assert plan.kind == ops.kind(), where
+            assert check_call(plan) == [], f"{where}: {check_call(plan)}"
+            plan.on_meta().launch()  # torch's own checks of the call (meta tensors are checked as CUDA ones)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_contract_cpu(shape, scaling, out, with_bias):
+    """Every GEMM of an FP8Linear forward + backward, built from the torch reference casts CUDA runs without triton,
+    planned for sm89 / sm90 / sm100 / sm120: valid under torch's checks and the per-architecture rules, or refused
+    with a reason (then emulated, warned once) exactly where the rules say."""
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias), scaling)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("shape", LARGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_contract_large_shapes_on_meta(shape, scaling, out, with_bias):
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias, device="meta"), scaling)
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias, device="meta", triton=True),
+                        scaling)
+
+
+@interp
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("shape", [(100, 128, 768), (33, 40, 24)], ids=lambda s: "x".join(map(str, s)))
+def test_interp_gemm_contract_with_triton_casts(shape, scaling):
+    """The same with the Triton casts (interpreted): x^T and dY^T written by the cast kernel, no copies."""
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, torch.bfloat16, True, triton=True), scaling)
+
+
+def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
+    """cuBLASLt reads 128x128 scales with the K-block dimension padded to a multiple of 4: (L4, N/128), strides
+    (1, L4). K = 768 (6 blocks -> L4 = 8), 11008 (86 -> 88), 128 (1 -> 4). The unpadded layout (what torch._scaled_mm
+    v1 accepts) gives silent wrong answers on the GPU; torch's v2 meta check rejects it."""
+    for k in (128, 768, 11008):
+        records = layer_gemms(RECIPES["blockwise"], (256, k, 256), torch.bfloat16, False, device="meta")
+        forward = records[0]
+        call = plan_scaled_mm(forward, target_for((9, 0)))
+        kb = k // 128
+        l4 = -(-kb // 4) * 4
+        assert call.api == V2 and call.scale_b.shape == (l4, 2) and call.scale_b.stride() == (1, l4)
+        call.on_meta().launch()
+        unpadded = torch.empty_strided((kb, 2), (1, kb), dtype=torch.float32, device="meta")
+        if kb % 4:
+            with pytest.raises(RuntimeError, match="scale b must have shape"):
+                type(call)(**{**call.on_meta().__dict__, "scale_b": unpadded}).launch()
+
+
+# -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------
+from lightning_fp8.modules.gemm import emulated_gemm  # noqa: E402
+from lightning_fp8.modules.scaled_mm import GemmOperands  # noqa: E402
+from lightning_fp8.modules.tiled_gemm import emulated_tiled_gemm  # noqa: E402
+
+
+def _grid_operands(m, k, n, kind, out_dtype, with_bias, exact, seed=0):
+    """FP8 operands a (M, K) row-major and b (K, N) column-major (as the layer hands them over), with tensorwise or
+    rowwise dequant scales. exact: values on a 1/8 grid and power-of-two scales, so every partial sum is exact in
+    float32 whatever the order and a bias exact in the output dtype."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        a = (torch.randint(-64, 65, (m, k), generator=g).float() / 8).to(E4)
+        b = (torch.randint(-64, 65, (n, k), generator=g).float() / 8).to(E4).t()
+    else:
+        a = (torch.randn(m, k, generator=g) * 6).to(E4)
+        b = (torch.randn(n, k, generator=g) * 6).to(E4).t()
+    if kind == "tensorwise":
+        sa, sb, tiles = torch.tensor(2.0**-3), torch.tensor(0.5), (None, None)
+    else:
+        sa = 2.0 ** torch.randint(-3, 2, (m, 1), generator=g).float()
+        sb = 2.0 ** torch.randint(-3, 2, (1, n), generator=g).float()
+        if not exact:
+            sa, sb = sa * 1.37, sb * 0.61
+        tiles = ((1, 0), (0, 1))
+    bias = (torch.randint(-32, 33, (n,), generator=g).float() / 4).to(out_dtype) if with_bias else None
+    return GemmOperands(a, sa, tiles[0], b, sb, tiles[1], out_dtype, bias, False)
+
+
+def _emulation(ops):
+    if ops.a_tile is None:
+        return emulated_gemm(ops.a, ops.a_scale_inv, ops.b, ops.b_scale_inv, ops.out_dtype, ops.bias)
+    return emulated_tiled_gemm(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
+                               ops.bias, bf16=False)
+
+
+NUMERIC_SHAPES = [(48, 256, 40), (33, 40, 24), (16, 64, 128)]
+
+
+@pytest.mark.parametrize("shape", NUMERIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("arch", ["sm89", "sm90"])
+def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, with_bias, shape):
+    """The argument preparation of the CUDA path (padding of K and N, packed layouts, scale shapes, the bias passed
+    or added after, the zero fp16 bias of the CUTLASS rowwise kernel) run with real numbers through torch 2.13's CPU
+    scaled GEMM: equal to the emulation bit for bit where every partial sum is exact, within one output rounding
+    otherwise. (sm89 plans differ from sm90's: CUTLASS rowwise.)"""
+    out_dtype = OUT_DTYPES[out]
+    target = target_for(ARCHS[arch])
+    for exact in (True, False):
+        ops = _grid_operands(*shape, kind, out_dtype, with_bias, exact)
+        call = plan_scaled_mm(ops, target)
+        if isinstance(call, Refusal):
+            assert arch == "sm89" and kind == "rowwise" and out_dtype == torch.float32, call
+            continue
+        result, reference = call.launch(), _emulation(ops)
+        assert result.dtype == out_dtype and result.shape == reference.shape and result.is_contiguous()
+        if exact:
+            assert torch.equal(result, reference)
+        else:
+            # one output rounding, plus float32 accumulation in another order (and, for scales that are not powers
+            # of two, the emulation's dequantized operands rounded once more): k * 2^-23 of the sum of |products|
+            magnitude = (ops.a.double().abs() * ops.a_scale_inv.double()) @ (
+                ops.b.double().abs() * ops.b_scale_inv.double())
+            bound = (torch.finfo(out_dtype).eps * reference.double().abs() + torch.finfo(out_dtype).tiny
+                     + shape[1] * 2.0**-23 * magnitude)
+            assert ((result.double() - reference.double()).abs() <= bound).all()
+
+
+# -- failures at launch ----------------------------------------------------------------------------------------------
+def test_a_device_failure_propagates_and_never_turns_the_gemm_kind_to_emulation(monkeypatch):
+    """An out-of-memory error (or a sticky CUDA error) raised by the scaled GEMM is the device failing, not the call
+    being unsupported: it propagates, and the next call of the same signature runs the scaled GEMM again. Before, one
+    transient OOM sent that GEMM kind to float32 emulation for the rest of the run, silently."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
+
+    ops = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
+    launches, failures = [], [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+    real_launch = Call.launch
+
+    def launch(self):
+        launches.append(self.kind)
+        if failures:
+            raise failures.pop()
+        return real_launch(self)
+
+    monkeypatch.setattr(Call, "launch", launch)
+    gemm._runtime_refusals.clear()
+    args = (ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype)
+    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
+
+    with simulate_cuda((9, 0)):
+        with pytest.raises(torch.OutOfMemoryError):
+            fp8_gemm_tiled(*args)
+        fp8_gemm_tiled(*args)  # the same signature: the scaled GEMM again, not emulation
+        assert launches == [ROWWISE, ROWWISE]
+        failures.append(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            fp8_gemm_tiled(*args)
+    assert not gemm._runtime_refusals
+
+
+def test_a_refusal_by_torch_is_remembered_per_exact_signature(monkeypatch):
+    """Where torch or the GPU library refuses a call our rules let through (a cuBLASLt without a kernel for it), that
+    exact signature (shapes, strides, dtypes, bias, fast accumulation) is emulated from then on, warned once; a call
+    that differs in any of them still tries the scaled GEMM."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.gemm import FP8EmulationWarning
+    from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
+    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
+
+    real_launch = Call.launch
+    launches = []
+
+    def launch(self):
+        launches.append(self.bias is not None)
+        if self.bias is None:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return real_launch(self)
+
+    monkeypatch.setattr(Call, "launch", launch)
+    gemm._runtime_refusals.clear()
+    gemm._warned.clear()
+    plain = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
+    biased = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, True, True)
+
+    def run(ops):
+        return fp8_gemm_tiled(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
+                              ops.bias)
+
+    with simulate_cuda((9, 0)):
+        with pytest.warns(FP8EmulationWarning, match="NOT_SUPPORTED"):
+            assert torch.equal(run(plain), _emulation(plain))
+        run(plain)  # remembered: not launched again
+        run(biased)  # another signature: launched
+    assert launches == [False, True]
+    gemm._runtime_refusals.clear()

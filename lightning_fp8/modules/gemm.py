@@ -18,7 +18,8 @@ choice, the once-only warning or the layout fix-ups.
 
 Under `kernels.device.simulate_cuda` (tests), CPU tensors take the CUDA branch: the call is planned for the simulated
 architecture and run through torch's CPU scaled GEMM where that exists (tensorwise, rowwise), else emulated; every
-planned call can be recorded (`record_gemms`) and replayed on meta tensors (tests/test_cuda_contract.py).
+requested GEMM can be recorded (`record_gemms`), planned for any architecture and replayed on meta tensors
+(tests/test_cuda_contract.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import functools
 import math
 import sys
 import warnings
-from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -97,26 +98,25 @@ def _user_stacklevel() -> int:
     return 2
 
 
-class GemmRecord(NamedTuple):
-    """One GEMM a layer asked for, and where it went on the device profile of its tensors."""
-
-    operands: GemmOperands
-    profile: DeviceProfile
-    plan: Union[ScaledMMCall, Refusal, None]  # None: emulated by request (backend="emulated") or device
-
-
-_recorders: List[List[GemmRecord]] = []
+_recorders: List[List[GemmOperands]] = []
 
 
 @contextlib.contextmanager
-def record_gemms() -> Iterator[List[GemmRecord]]:
-    """Every FP8 GEMM run inside the block (per-tensor and tiled), with its plan: for the CUDA contract suite."""
-    records: List[GemmRecord] = []
+def record_gemms() -> Iterator[List[GemmOperands]]:
+    """Every FP8 GEMM requested inside the block (per-tensor and tiled; real, fake or meta tensors), as the layer
+    passed it: what the CUDA contract suite plans and checks per architecture (tests/test_cuda_contract.py)."""
+    records: List[GemmOperands] = []
     _recorders.append(records)
     try:
         yield records
     finally:
         _recorders.remove(records)
+
+
+def record(operands: GemmOperands) -> None:
+    """Hand a GEMM request to the active `record_gemms` blocks (none: nothing happens)."""
+    for records in _recorders:
+        records.append(operands)
 
 
 #: scaled-GEMM signatures torch or the GPU library refused at run time (then emulated), with the reason
@@ -129,8 +129,6 @@ def run_gemm(operands: GemmOperands, backend: str, emulate: Callable[[GemmOperan
     plan = None
     if resolve_backend(backend, operands.a.device) == "scaled_mm":
         plan = plan_scaled_mm(operands, ScaledMMTarget.of(profile))
-    for records in _recorders:
-        records.append(GemmRecord(operands, profile, plan))
     # the ops inside must run in the dtypes written here, whatever autocast region the op is called from
     with torch.autocast(operands.a.device.type, enabled=False):
         if isinstance(plan, Refusal):
@@ -195,6 +193,8 @@ def fp8_gemm(
 
     Scales are the dequant scales (1 / the quantization scale), float32 scalars. The op has no autograd formula:
     FP8Linear's autograd function computes every gradient (the bias gradient included) itself."""
+    if _recorders:
+        record(GemmOperands(a, a_scale_inv, None, b, b_scale_inv, None, out_dtype, bias, use_fast_accum))
     return torch.ops.lightning_fp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum, backend)
 
 
@@ -321,5 +321,5 @@ def fp8_bf16_image(x: Tensor) -> Tensor:
     return _BF16_OF_CODE[x.dtype].to(x.device).index_select(0, codes.to(torch.int32)).reshape(x.shape)
 
 
-__all__ = ["fp8_gemm", "emulated_gemm", "run_gemm", "record_gemms", "GemmRecord", "warn_emulation", "cpu_has_native_bf16",
+__all__ = ["fp8_gemm", "emulated_gemm", "run_gemm", "record_gemms", "record", "warn_emulation", "cpu_has_native_bf16",
            "fp8_bf16_image", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]

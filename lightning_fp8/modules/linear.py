@@ -27,6 +27,8 @@ from lightning_fp8.recipe import FP8Recipe
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     device_type = x.device.type
+    if device_type == "meta":  # shape-only runs (the CUDA contract suite): meta has no autocast state
+        return x.dtype
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype

@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lightning_fp8.modules import gemm
 from lightning_fp8.modules.gemm import cpu_has_native_bf16, fp8_bf16_image, run_gemm
 from lightning_fp8.modules.scaled_mm import GemmOperands
 from lightning_fp8.numerics.tiles import exact_in_bf16, tiled_gemm_reference, times_tiles
@@ -45,6 +46,9 @@ def fp8_gemm_tiled(
     """out = dequant(a) @ dequant(b) + bias for FP8 a (M, K) with tiles `a_tile` = (rows, K block) and b (K, N)
     with tiles `b_tile` = (K block, cols), any layout; scales are per-tile dequant scales in grid layout
     (`numerics.tiles.grid_shape`). No autograd formula: the layer's autograd function owns the gradients."""
+    if gemm._recorders:
+        gemm.record(GemmOperands(a, a_scale_inv, _tile(a_tile), b, b_scale_inv, _tile(b_tile), out_dtype, bias,
+                                 use_fast_accum))
     return torch.ops.lightning_fp8.fp8_gemm_tiled(
         a, a_scale_inv, [int(v) for v in a_tile], b, b_scale_inv, [int(v) for v in b_tile], out_dtype, bias,
         use_fast_accum, backend,
