@@ -395,3 +395,126 @@ def test_a_refusal_by_torch_is_remembered_per_exact_signature(monkeypatch):
         run(biased)  # another signature: launched
     assert launches == [False, True]
     gemm._runtime_refusals.clear()
+
+
+# -- host synchronisations -------------------------------------------------------------------------------------------
+import contextlib  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+#: the Tensor methods that read a device tensor's values on the host: each a device-to-host synchronisation on a GPU
+#: (`bool(t)`, `float(t)`, `t.item()`, `t.tolist()`, `t.cpu()`, ...). Patched at the Python level, they are seen
+#: wherever they are called from Python, inside the custom ops' implementations too (a dispatch mode would see a
+#: custom op as one opaque call).
+HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero")
+
+
+class HostReads:
+    """Counts the HOST_READS calls on tensors while active and not paused; the engine's own `to_host` is counted
+    separately (engine/host.py) and excluded here."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.paused, self._monkeypatch = [], False, monkeypatch
+
+    @contextlib.contextmanager
+    def active(self):
+        from lightning_fp8.engine import host
+
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+        counter = self
+
+        def wrap(name):
+            original = originals[name]
+
+            def method(tensor, *args, **kwargs):
+                if not counter.paused:
+                    counter.calls.append(name)
+                return original(tensor, *args, **kwargs)
+
+            return method
+
+        real_to_host = host.to_host
+
+        def to_host(tensor, why):  # counted by count_host_reads, not here
+            paused, counter.paused = counter.paused, True
+            try:
+                return real_to_host(tensor, why)
+            finally:
+                counter.paused = paused
+
+        with self._monkeypatch.context() as patch:
+            for name in HOST_READS:
+                patch.setattr(torch.Tensor, name, wrap(name))
+            for module in _modules_using_to_host():
+                patch.setattr(module, "to_host", to_host)
+            yield self
+
+
+def _modules_using_to_host():
+    import importlib
+
+    names = ["lightning_fp8.engine.engine", "lightning_fp8.engine.checks", "lightning_fp8.engine.gradients",
+             "lightning_fp8.engine.scales", "lightning_fp8.engine.distributed"]
+    return [importlib.import_module(name) for name in names]
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
+    """A training forward + backward of FP8 layers on the path CUDA takes without triton (the torch reference casts,
+    which CUDA runs for float64 input, without triton or with LIGHTNING_FP8_DISABLE_TRITON=1): no op that reads a
+    device value on the host. The reference per-tensor cast read two (`bool(ref > 0)`, `bool(amax * scale <= max)`)
+    per cast: about 8 device-to-host synchronisations per layer and step."""
+    with simulate_cuda((9, 0), triton=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(FP8Linear(64, 128, recipe=RECIPES[scaling]), nn.GELU(),
+                              FP8Linear(128, 64, recipe=RECIPES[scaling]))
+        x = torch.randn(48, 64)
+        for step in range(3):  # steps 2 and 3 run with the delayed scales sized by the history
+            with HostReads(monkeypatch).active() as reads:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                out.float().square().mean().backward()
+            assert reads.calls == [], f"step {step}: {reads.calls}"
+
+
+def _train_iteration(engine, model, opt, counter, clip=None):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(32, 64)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    if clip is not None:
+        engine.clip_grad_norm_(opt, clip)
+
+    def optimizer_step():  # torch's optimizer is not the engine's: its own host reads are not counted here
+        counter.paused = True
+        opt.step()
+        counter.paused = False
+
+    engine.step(opt, optimizer_step)
+    engine.end_iteration()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_engine_host_reads_per_iteration(clip, monkeypatch):
+    """The engine's device-to-host reads per training iteration on one GPU, counted at engine/host.py's `to_host`,
+    the only place they happen (no implicit read anywhere in the iteration outside the optimizer's own step): the
+    figures docs/plugin.md ("Host synchronisations") states and justifies."""
+    from lightning_fp8.engine import FP8TrainingEngine
+    from lightning_fp8.engine.host import count_host_reads
+
+    with simulate_cuda((9, 0), triton=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(FP8Linear(64, 128), nn.GELU(), FP8Linear(128, 64))
+        engine = FP8TrainingEngine(FP8Recipe())
+        engine.attach(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        counter = HostReads(monkeypatch)
+        for _ in range(2):
+            _train_iteration(engine, model, opt, counter, clip)
+        with counter.active(), count_host_reads() as reads:
+            _train_iteration(engine, model, opt, counter, clip)
+    assert counter.calls == [], counter.calls
+    expected = ["non-finite gradients", "FP8 overflows", "loss", "weights finite"]
+    if clip is not None:
+        expected.insert(1, "gradient norm")
+    assert reads == expected

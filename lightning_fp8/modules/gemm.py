@@ -231,7 +231,7 @@ def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tenso
 
     Two ways, the same result: a BF16 GEMM where that is faithful (CPU, a bf16 output, power-of-two scales; see
     `_bf16_gemm`), else a float32 GEMM."""
-    if (out_dtype == torch.bfloat16 and a.device.type == "cpu" and cpu_has_native_bf16()
+    if (out_dtype == torch.bfloat16 and profile_of(a.device).host_checks_allowed and cpu_has_native_bf16()
             and _is_power_of_2(a_scale_inv) and _is_power_of_2(b_scale_inv)):
         return _bf16_gemm(a, a_scale_inv, b, b_scale_inv, bias)
     acc = torch.mm(_float32_image(a), _float32_image(b))
