@@ -518,3 +518,45 @@ def test_engine_host_reads_per_iteration(clip, monkeypatch):
     if clip is not None:
         expected.insert(1, "gradient norm")
     assert reads == expected
+
+
+# -- compile with the implementations CUDA runs ---------------------------------------------------------------------
+def _inductor_vs_eager(recipe):
+    import copy
+
+    torch.manual_seed(0)
+    base = nn.Sequential(FP8Linear(64, 128, recipe=recipe), nn.GELU(), FP8Linear(128, 128, recipe=recipe))
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    x = torch.randn(128, 64)
+    outs = []
+    for model, fwd in ((eager, eager), (compiled, torch.compile(compiled, fullgraph=True))):
+        for _ in range(2):  # the second step runs on delayed scales
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = fwd(x).float().square().mean()
+            loss.backward()
+        outs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_e, grads_e), (loss_c, grads_c) = outs
+    # tolerances of tests/test_compile.py (inductor reorders the BF16 ops around the layers)
+    torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=0)
+    for ge, gc in zip(grads_e, grads_c):
+        assert ((gc - ge).norm() / ge.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_inductor_with_the_cuda_reference_implementations(scaling):
+    """Inductor, fullgraph, on the casts and GEMM plans CUDA runs without triton: with the column-major x^T the CUDA
+    reference of tiled_cast returned, inductor failed its stride assertion on every rowwise / blockwise layer."""
+    torch._dynamo.reset()
+    with simulate_cuda((9, 0), triton=False):
+        _inductor_vs_eager(RECIPES[scaling])
+    torch._dynamo.reset()
+
+
+@interp
+@pytest.mark.parametrize("scaling", ["delayed", "rowwise"])
+def test_interp_inductor_with_the_triton_casts(scaling):
+    torch._dynamo.reset()
+    with simulate_cuda((9, 0), triton=True):
+        _inductor_vs_eager(RECIPES[scaling])
+    torch._dynamo.reset()
