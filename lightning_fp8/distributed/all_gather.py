@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
+from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import cast_to_fp8
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.linear import FP8Layer
@@ -130,8 +131,9 @@ class FP8AllGatherWeight(torch.Tensor):
                 f"as {tuple(local.shape)} of {tuple(outer_size)}. Use fp8_all_gather=False for this model."
             )
         record = layer.training
-        if not _in_backward():
-            layer.close_pending_step()  # the forward would do it first; the scale must come from the closed history
+        autocast_state = current_state()
+        if not _in_backward() and layer.fp8_enabled and autocast_state.enabled and not autocast_state.calibrating:
+            layer.close_pending_step()  # its FP8 forward does this first: the scale must come from the closed history
         cast_key = CastKey.of(layer.recipe, record)
         if cast_key is None:
             # the layer's recipe became fine-grained after sharding (FP8LayerFallback's escalation): its forward

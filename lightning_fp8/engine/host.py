@@ -23,6 +23,8 @@ def to_host(tensor: torch.Tensor, why: str) -> List[float]:
     and a test can count every other read as one. `why` names the read in the counts."""
     for counter in _counters:
         counter.append(why)
+    if hasattr(tensor, "full_tensor"):  # a DTensor (FSDP2: the norm of sharded gradients): its global value
+        tensor = tensor.full_tensor()
     return tensor.detach().reshape(-1).tolist()
 
 
