@@ -560,3 +560,35 @@ def test_interp_inductor_with_the_triton_casts(scaling):
     with simulate_cuda((9, 0), triton=True):
         _inductor_vs_eager(RECIPES[scaling])
     torch._dynamo.reset()
+
+
+# -- the GEMM ops' fake implementations, on every path ---------------------------------------------------------------
+#: ("test_schema" runs arithmetic on the inputs, which CPU float8 tensors do not implement)
+GEMM_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("path", ["cpu_emulation", "sm90", "sm89"])
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "blockwise"])
+def test_gemm_ops_match_their_fake_impls(kind, path):
+    """fp8_gemm / fp8_gemm_tiled: the CPU emulation, and the simulated GPUs' plans (run through CPU _scaled_mm where
+    torch's CPU build has it, emulated where not), return what the fake implementation says (shape, dtype, strides:
+    padded and sliced outputs must come back contiguous)."""
+    from lightning_fp8.numerics.tiles import quantize_tiles, transposed
+
+    g = torch.Generator().manual_seed(1)
+    m, k, n = 128, 256, 136 if kind != "blockwise" else 128
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    for out_dtype, bias in ((torch.bfloat16, torch.randn(n, generator=g)), (torch.float32, None)):
+        if kind == "tensorwise":
+            a, b = x.to(E4), w.to(E4).t()
+            args = (a, torch.tensor(0.5), b, torch.tensor(2.0), out_dtype, bias, False, "auto")
+            op = torch.ops.lightning_fp8.fp8_gemm.default
+        else:
+            a_tile, b_tile = ((1, 0), (0, 1)) if kind == "rowwise" else ((1, 128), (128, 128))
+            fmt = RECIPES["rowwise"].format_for("input")
+            qa, sa, _ = quantize_tiles(x, a_tile, fmt)
+            qbt, sbt, _ = quantize_tiles(w, transposed(b_tile), fmt)
+            args = (qa, sa, list(a_tile), qbt.t(), sbt.t(), list(b_tile), out_dtype, bias, False, "auto")
+            op = torch.ops.lightning_fp8.fp8_gemm_tiled.default
+        with simulate_cuda(ARCHS[path]) if path != "cpu_emulation" else _nothing():
+            torch.library.opcheck(op, args, test_utils=GEMM_UTILS)

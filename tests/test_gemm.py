@@ -355,3 +355,21 @@ def test_float32_operands_of_the_emulation_are_exact_for_every_code(fmt):
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+def test_emulation_warnings_point_at_the_users_line():
+    """The one-time notice names the line of the user's code that ran the layer (or called backward), not a file
+    inside torch or this library."""
+    import lightning_fp8.modules.gemm as gemm
+
+    gemm._warned.clear()
+    layer = FP8Linear(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(4, 32)).sum().backward()
+        with simulate_cuda((8, 9)):
+            FP8Linear(128, 128, recipe=FP8Recipe(scaling="blockwise"))(torch.randn(128, 128))
+    notices = [w for w in caught if issubclass(w.category, FP8EmulationWarning)]
+    assert len(notices) == 2 and "no FP8 tensor cores" in str(notices[0].message)
+    assert "sm90 only" in str(notices[1].message)
+    assert all(w.filename == __file__ for w in notices), [(w.filename, w.lineno) for w in notices]
