@@ -84,11 +84,31 @@ def cpu_twins_enabled_for(x: torch.Tensor) -> bool:
 
 def use_soft_cast(x: torch.Tensor) -> bool:
     """Exact integer FP8 rounding instead of the hardware cvt: on GPUs without an FP8 convert instruction (below
-    sm89: Triton refuses `.to(tl.float8e4nv)` there), under the interpreter (its fp8 conversion mis-rounds values
-    that round up across a power of two), or when asked."""
+    sm89: Triton refuses `.to(tl.float8e4nv)` there), on sm89 with a Triton that converts float32 through float16
+    there (two roundings: 3.6 does, 3.9 does not; docs/numerics.md), under the interpreter (its fp8 conversion
+    mis-rounds values that round up across a power of two), or when asked."""
     if x.device.type != "cuda" or _env_flag("LIGHTNING_FP8_SOFT_CAST"):
         return True
-    return not profile_of(x.device).hardware_fp8_cast
+    return not hardware_cast_exact(profile_of(x.device).capability, triton_version())
+
+
+def hardware_cast_exact(capability, version) -> bool:
+    """Whether Triton's hardware FP8 conversion compiles on `capability` and rounds float32 once, as torch's cast
+    does: sm89+, and on sm89 only from Triton 3.9 (earlier ones go through float16 there)."""
+    if capability is None or tuple(capability) < (8, 9):
+        return False
+    return tuple(capability) != (8, 9) or tuple(version) >= (3, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> tuple:
+    """(major, minor) of the installed triton; (0, 0) without one."""
+    if not triton_available():
+        return (0, 0)
+    import triton
+
+    parts = triton.__version__.split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
 def in_kernel_rand() -> bool:
@@ -106,6 +126,8 @@ __all__ = [
     "cpu_twins_enabled_for",
     "interpreter_enabled",
     "use_soft_cast",
+    "hardware_cast_exact",
+    "triton_version",
     "in_kernel_rand",
     "fp8_cast",
     "fp8_amax",

@@ -592,3 +592,14 @@ def test_gemm_ops_match_their_fake_impls(kind, path):
             op = torch.ops.lightning_fp8.fp8_gemm_tiled.default
         with simulate_cuda(ARCHS[path]) if path != "cpu_emulation" else _nothing():
             torch.library.opcheck(op, args, test_utils=GEMM_UTILS)
+
+
+def test_hardware_fp8_cast_only_where_it_compiles_and_rounds_once():
+    """The Triton casts use the hardware conversion where it compiles (sm89+) and rounds float32 once like torch's
+    cast: not on sm80/86/87 (Triton refuses fp8e4nv there), not on sm89 before Triton 3.9 (it converts through
+    float16 there, two roundings); elsewhere the kernels' exact integer rounding."""
+    from lightning_fp8.kernels import hardware_cast_exact
+
+    assert not any(hardware_cast_exact(cap, (3, 9)) for cap in [(8, 0), (8, 6), (8, 7), None])
+    assert not hardware_cast_exact((8, 9), (3, 6)) and hardware_cast_exact((8, 9), (3, 9))
+    assert all(hardware_cast_exact(cap, (3, 6)) for cap in [(9, 0), (10, 0), (12, 0)])
