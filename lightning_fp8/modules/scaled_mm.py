@@ -30,6 +30,7 @@ docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -94,15 +95,10 @@ class ScaledMMTarget:
 
     @staticmethod
     def of(profile: DeviceProfile) -> "ScaledMMTarget":
-        """The target of a CUDA device profile with the running torch. A simulated GPU (or a CPU build of torch) is
-        taken to have the CUDA 13 libraries of the current CUDA wheels."""
-        assert profile.capability is not None, "a scaled-GEMM target needs a CUDA compute capability"
-        return ScaledMMTarget(
-            capability=profile.capability,
-            torch_version=_version(torch.__version__) or (0, 0),
-            cuda_version=_version(torch.version.cuda) or (13, 0),
-            has_v2=hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"),
-        )
+        """The target of a CUDA device profile with the running torch (cached: one per device). A simulated GPU (or
+        a CPU build of torch) is taken to have the CUDA 13 libraries of the current CUDA wheels."""
+        return _target_of(profile)
+
 
     @property
     def name(self) -> str:
@@ -127,6 +123,17 @@ class ScaledMMTarget:
     @property
     def cutlass_rowwise_writes_float32(self) -> bool:
         return self.torch_version > (2, 13)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_of(profile: DeviceProfile) -> ScaledMMTarget:
+    assert profile.capability is not None, "a scaled-GEMM target needs a CUDA compute capability"
+    return ScaledMMTarget(
+        capability=profile.capability,
+        torch_version=_version(torch.__version__) or (0, 0),
+        cuda_version=_version(torch.version.cuda) or (13, 0),
+        has_v2=hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"),
+    )
 
 
 # -- the request --------------------------------------------------------------------------------------------------
