@@ -339,7 +339,7 @@ def test_cuda_copies_are_pinned_asynchronous_and_ordered_before_the_next_update(
     _train(model, opt, sched, 2, "cuda")
     snap = Snapshot()
     snap.capture(2, model, [opt], [sched], {})
-    assert all(t.is_pinned() for t in snap._host.values() if t.device.type == "cpu" and t.dim() > 0)
+    assert all(t.is_pinned() for t in snap._host.values() if t.dim() > 0)  # 0-d: AdamW's step counters live on CPU
     pinned = {t.untyped_storage().data_ptr() for t in snap._host.values() if t.is_pinned()}
     assert len(pinned) == len({t.dtype for t in snap._host.values() if t.is_pinned()})  # one buffer per dtype
     assert snap.host_bytes < 1.01 * snap.nbytes + 4 * PAGE  # page-locked in place: no power-of-two rounding
@@ -349,3 +349,6 @@ def test_cuda_copies_are_pinned_asynchronous_and_ordered_before_the_next_update(
     snap.restore(model, [opt], [sched])
     torch.cuda.synchronize()
     _assert_same(_state(model, opt, sched), at_2)
+    old = snap._host[("model", "0.weight")]
+    snap.capture(3, model, [], [], {})  # fewer tensors: the float32 buffer is replaced and the old one unpinned
+    assert not old.is_pinned() and snap._host[("model", "0.weight")].is_pinned()
