@@ -23,10 +23,12 @@ amax is max(|x|) computed on the float32 bit patterns as integers: for non-negat
 is the float order, and every NaN pattern (sign cleared) sorts above +inf, so NaN propagates exactly like
 `torch.amax` and the per-program partial maxima combine with one integer `atomic_max`.
 
-Which rounding runs where (`hardware_fp8_cast_supported`): the hardware cvt only where Triton compiles it *and* it
-rounds exactly like the reference, that is sm90+ (H100, B200, RTX 50xx), and sm89 (L4, L40S, RTX 40xx) with
-Triton >= 3.9; the exact integer emulation everywhere else (sm80/86/87: A100, A10, RTX 30xx). Evidence, compiled
-for every architecture with Triton's bundled ptxas and no GPU: tests/test_triton_compile.py.
+Which rounding runs where (`lightning_fp8.kernels.use_soft_cast`, `hardware_cast_exact`): the hardware cvt only where
+Triton compiles it *and* it rounds exactly like the reference, that is sm90+ (H100, B200, RTX 50xx), and sm89 (L4,
+L40S, RTX 40xx) with Triton >= 3.9 (3.6 - 3.8 convert float32 there through float16 truncated toward zero,
+`cvt.rz.f16.f32`, then round again: 1.0625001 gives 1.0 instead of 1.125); the exact integer emulation everywhere
+else (sm80/86/87: A100, A10, RTX 30xx, where `.to(tl.float8e4nv)` does not compile). Evidence, compiled for every
+architecture with Triton's bundled ptxas and no GPU: tests/test_triton_compile.py.
 
 Nothing here has run on a GPU yet (the machine this was written on has none): the soft-cast variant was checked
 bit-exactly under the Triton interpreter on CPU; the hardware-cast variant only where the interpreter's own
@@ -37,8 +39,7 @@ conversion, and its two launchers; splitting them would scatter one kernel.)
 """
 from __future__ import annotations
 
-import re
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -50,36 +51,6 @@ from lightning_fp8.numerics.formats import FP8Format
 ROUND_NEAREST = 0
 ROUND_NOISE = 1  # stochastic, noise tensor given
 ROUND_PHILOX = 2  # stochastic, tl.rand(seed, offset)
-
-#: First Triton release that lowers the float32 -> FP8 conversion on sm89 to one `cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`.
-#: Triton 3.6 - 3.8 go through float16 truncated toward zero (`cvt.rz.f16.f32`, then the cvt from f16x2): a value just
-#: above a rounding midpoint becomes the midpoint and then rounds to even, i.e. down (1.0625001 -> 1.0 instead of
-#: 1.125). sm90+ converts from float32 directly in all of them. tests/test_triton_compile.py reads the PTX of both.
-SM89_SINGLE_ROUNDING_TRITON = (3, 9)
-
-
-def _release(version: str) -> Tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(f"cannot read a Triton release from {version!r}")
-    return int(match.group(1)), int(match.group(2))
-
-
-def hardware_fp8_cast_supported(capability: Tuple[int, int], triton_version: Optional[str] = None) -> bool:
-    """Whether the kernels may use the hardware FP8 conversion (`HW_CAST`) on a GPU of this compute capability: it
-    must compile there and round like `numerics.quantize` (round to nearest even from float32, once).
-
-    sm90 and newer: yes. sm89: with Triton >= 3.9 (`triton_version`, default the installed one; older releases round
-    twice there, see SM89_SINGLE_ROUNDING_TRITON). Below sm89 (sm80/86/87): no; e4m3 does not compile ("fp8e4nv not
-    supported in this architecture") and e5m2 is Triton's own software conversion (3.6: through float16 truncated
-    toward zero, and some variants do not compile).
-    Where this is False the kernels use the exact integer rounding (`_soft_fp8_code`), which compiles everywhere."""
-    major, minor = (int(v) for v in capability)
-    if (major, minor) >= (9, 0):
-        return True
-    if (major, minor) >= (8, 9):
-        return _release(triton_version if triton_version is not None else triton.__version__) >= SM89_SINGLE_ROUNDING_TRITON
-    return False
 
 
 @triton.jit

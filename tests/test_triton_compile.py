@@ -16,6 +16,7 @@ from the kernel's own argument names.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import warnings
@@ -23,14 +24,16 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lightning_fp8.kernels import triton_cast  # noqa: E402
-from lightning_fp8.kernels.triton_cast import hardware_fp8_cast_supported  # noqa: E402
+from lightning_fp8 import kernels  # noqa: E402
+from lightning_fp8.kernels import device as device_module  # noqa: E402
+from lightning_fp8.kernels import hardware_cast_exact, triton_cast, triton_version  # noqa: E402
 from lightning_fp8.numerics import E4M3, E5M2  # noqa: E402
 
 ARCHS = (80, 89, 90, 100, 120)
@@ -51,6 +54,27 @@ NAN_DROPPING_MIN_MAX = re.compile(r"\b(?:redux\.sync\.)?(?:max|min)(?:\.ftz)?(?:
 
 def capability(arch: int) -> Tuple[int, int]:
     return arch // 10, arch % 10
+
+
+def on_gpu(monkeypatch, arch: int) -> None:
+    """CUDA tensors from here on are on a GPU of this architecture (for the code that asks: kernels.device), and the
+    launch guard does not need a CUDA runtime; the tensors themselves are fake (`fake_cuda`)."""
+    monkeypatch.delenv("LIGHTNING_FP8_SOFT_CAST", raising=False)
+    monkeypatch.setattr(device_module, "_cuda_profile", lambda index: device_module.DeviceProfile("cuda", capability(arch)))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+
+def fake_cuda(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    """Fake cuda:0 tensors with the shapes and dtypes of `tensors` (no data: the launches are only recorded)."""
+    with FakeTensorMode():
+        return [torch.empty(t.shape, dtype=t.dtype, device="cuda:0") for t in tensors]
+
+
+def selected_hw(monkeypatch, arch: int) -> bool:
+    """The conversion the casts choose on this GPU (`use_soft_cast`, what ops.py passes to the kernels)."""
+    with monkeypatch.context() as m:
+        on_gpu(m, arch)
+        return not kernels.use_soft_cast(fake_cuda(torch.zeros(2, 2))[0])
 
 
 # -- recording the launches the host code makes ---------------------------------------------------------------------
@@ -158,18 +182,21 @@ def cast_variant(monkeypatch, fmt, hw_cast: bool) -> Variant:
 
 
 def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", **group) -> Variant:
-    """The variant `adamw_step_triton_` launches on a GPU of this architecture (its own choice of conversion)."""
+    """The variant `adamw_step_triton_` launches for a CUDA parameter on a GPU of this architecture (its own choice
+    of conversion, through kernels.use_soft_cast)."""
     from lightning_fp8.optim import FP8AdamW, state as opt_state, triton_adamw
 
-    monkeypatch.setattr(opt_state, "FP8_SQRT_V_ROUNDING", "nearest")  # the kernel's fp8 second moment
-    monkeypatch.setattr(triton_adamw, "use_soft_cast", lambda t: False, raising=False)  # as for a CUDA tensor
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability(arch))
     w = torch.nn.Parameter(torch.randn(64, 64))
-    w.grad = torch.randn(64, 64)
-    group = FP8AdamW([w], exp_avg_sq_dtype=exp_avg_sq_dtype, **group).param_groups[0]
-    state = opt_state.init_state(w, group)
-    return record(monkeypatch, triton_adamw, "_fp8_adamw_block_kernel",
-                  lambda: triton_adamw.adamw_step_triton_(w.detach(), w.grad, state, group))[0]
+    with monkeypatch.context() as m:
+        m.setattr(opt_state, "FP8_SQRT_V_ROUNDING", "nearest")  # the kernel's fp8 second moment
+        group = FP8AdamW([w], exp_avg_sq_dtype=exp_avg_sq_dtype, **group).param_groups[0]
+        state = opt_state.init_state(w, group)
+        on_gpu(m, arch)
+        keys = [k for k in state if k != "step"]  # step stays a CPU tensor, as FP8AdamW keeps it
+        param, grad, *moments = fake_cuda(w.detach(), w.detach(), *(state[k] for k in keys))
+        state = {"step": state["step"], **dict(zip(keys, moments))}
+        return record(m, triton_adamw, "_fp8_adamw_block_kernel",
+                      lambda: triton_adamw.adamw_step_triton_(param, grad, state, group))[0]
 
 
 #: constexprs that carry a number (block sizes, history length, format constants) rather than choose code
@@ -249,7 +276,7 @@ def launcher_variants() -> Tuple[Tuple[Variant, int], ...]:
     for i, variant in enumerate(chosen):
         arch = ARCHS[i % len(ARCHS)]
         if "HW_CAST" in variant.constexprs:
-            variant = variant.with_(HW_CAST=hardware_fp8_cast_supported(capability(arch)))
+            variant = variant.with_(HW_CAST=hardware_cast_exact(capability(arch), triton_version()))
         assigned.append((variant, arch))
     return tuple(assigned)
 
@@ -277,8 +304,11 @@ def test_launcher_variants_cover_every_choice():
 # -- selection: what each architecture runs compiles, with the conversion we rely on -----------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_selected_cast_variant_compiles_with_the_conversion_we_rely_on(monkeypatch, arch):
-    hw = hardware_fp8_cast_supported(capability(arch))
-    assert hw == (arch >= 90 or (arch == 89 and hardware_fp8_cast_supported((8, 9))))
+    """The conversion `use_soft_cast` picks for a CUDA tensor on this GPU compiles there, and is the single-rounding
+    hardware cvt or the integer rounding (no FP8 instruction at all)."""
+    hw = selected_hw(monkeypatch, arch)
+    assert hw == hardware_cast_exact(capability(arch), triton_version())
+    assert hw == (arch >= 90 or (arch == 89 and triton_version() >= (3, 9)))
     for fmt in FORMATS:
         ptx = ptx_of(cast_variant(monkeypatch, fmt, hw), arch)
         if hw:
@@ -294,7 +324,7 @@ def test_selected_adamw_variant_compiles(monkeypatch, arch):
     compile below sm89 (A100, A10, RTX 30xx)."""
     variant = adamw_variant(monkeypatch, arch)
     ptx = ptx_of(variant, arch)
-    hw = hardware_fp8_cast_supported(capability(arch))
+    hw = selected_hw(monkeypatch, arch)
     assert variant.constexprs.get("HW_CAST", True) == hw
     if hw:
         assert DIRECT_CVT["e4m3"] in ptx
@@ -308,8 +338,7 @@ def test_hardware_conversion_does_not_compile_below_sm89(monkeypatch):
         failure = compile_for(variant, 80)
         assert isinstance(failure, Exception), variant
         assert "fp8e4nv not supported in this architecture" in _message(failure)
-    assert not hardware_fp8_cast_supported((8, 0)) and not hardware_fp8_cast_supported((8, 6))
-    assert not hardware_fp8_cast_supported((8, 7))
+    assert not any(selected_hw(monkeypatch, arch) for arch in (80, 86, 87))
 
 
 def test_sm89_hardware_conversion_is_selected_only_where_triton_rounds_once(monkeypatch):
@@ -319,9 +348,7 @@ def test_sm89_hardware_conversion_is_selected_only_where_triton_rounds_once(monk
     for fmt in FORMATS:
         ptx = ptx_of(cast_variant(monkeypatch, fmt, True), 89)
         single_rounding = DIRECT_CVT[fmt.name] in ptx and "cvt.rz.f16.f32" not in ptx
-        assert hardware_fp8_cast_supported((8, 9)) == single_rounding, (triton.__version__, fmt.name)
-    assert hardware_fp8_cast_supported((8, 9), "3.9.0") and not hardware_fp8_cast_supported((8, 9), "3.6.0")
-    assert hardware_fp8_cast_supported((9, 0), "3.6.0") and hardware_fp8_cast_supported((12, 0), "3.6.0")
+        assert selected_hw(monkeypatch, 89) == single_rounding, (triton.__version__, fmt.name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,8 +13,8 @@ weights, which draw from the seeded torch generator; CPU tensors) falls back to 
 parameter, so the two backends produce the same results wherever they both apply.
 
 The FP8 moments are read and written as their uint8 codes and converted by the cast kernel's helpers
-(kernels/triton_cast.py): the hardware cvt where `hardware_fp8_cast_supported` says it compiles and rounds like the
-reference (sm90+, sm89 with Triton >= 3.9), the exact integer rounding elsewhere. sm80/86/87 (A100, A10, RTX 30xx)
+(kernels/triton_cast.py), chosen as for the casts (`lightning_fp8.kernels.use_soft_cast`): the hardware cvt where it
+compiles and rounds like the reference (sm90+, sm89 with Triton >= 3.9), the exact integer rounding elsewhere. sm80/86/87 (A100, A10, RTX 30xx)
 cannot compile an e4m3 conversion at all, so without the integer variant the kernel would not run there.
 
 Non-finite values are kept as the reference keeps them: a NaN moment stays NaN, a block holding NaN or inf gets
@@ -43,7 +43,7 @@ import triton.language as tl
 
 from lightning_fp8.kernels import use_soft_cast
 from lightning_fp8.kernels.launch import device_guard
-from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs, hardware_fp8_cast_supported
+from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
@@ -147,20 +147,11 @@ def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) 
     )
 
 
-def uses_hardware_cast(param: torch.Tensor) -> bool:
-    """Whether the step of `param` converts its FP8 moments with the hardware cvt: on a GPU where it compiles and rounds
-    like the reference (`hardware_fp8_cast_supported`), unless LIGHTNING_FP8_SOFT_CAST=1 (`use_soft_cast`, which also
-    answers for CPU tensors under the interpreter)."""
-    if use_soft_cast(param):
-        return False
-    return hardware_fp8_cast_supported(torch.cuda.get_device_capability(param.device))
-
-
 @torch.no_grad()
 def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], *,
                        hw_cast: Optional[bool] = None) -> None:
     """The fused twin of reference.adamw_step_ for a parameter `supports` accepts. `hw_cast`: the FP8 conversion
-    (None: `uses_hardware_cast(param)`; the interpreter tests force either)."""
+    (None: the hardware cvt unless `use_soft_cast(param)`, as the casts choose; the interpreter tests force either)."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     state["step"] += 1
@@ -184,8 +175,8 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
             V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
             FLT_MAX=torch.finfo(torch.float32).max,
             **format_constexprs(E4M3), HAS_INF=E4M3.has_inf,
-            HW_CAST=uses_hardware_cast(param) if hw_cast is None else hw_cast,
+            HW_CAST=not use_soft_cast(param) if hw_cast is None else hw_cast,
         )
 
 
-__all__ = ["supports", "adamw_step_triton_", "uses_hardware_cast"]
+__all__ = ["supports", "adamw_step_triton_"]
