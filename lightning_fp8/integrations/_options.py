@@ -16,13 +16,15 @@ import torch
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.loss_scaler import LossScaling, resolve_loss_scaling
+from lightning_fp8.engine.loss_scaler import LossScaling, parse_loss_scaling, resolve_loss_scaling
 from lightning_fp8.presets import get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
 GRADIENT_COMMUNICATION_CHOICES = ("bf16", "fp8")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: options that must be real booleans
+BOOLEAN_OPTIONS = ("fp8_eval", "fp8_all_gather")
 
 
 @dataclass(kw_only=True)
@@ -99,8 +101,12 @@ class FP8Options:
                 f"gradient_communication={self.gradient_communication!r} is not valid; valid choices: "
                 f"{list(GRADIENT_COMMUNICATION_CHOICES)}"
             )
-        if not isinstance(self.fp8_all_gather, bool):
-            raise ValueError(f"fp8_all_gather must be True or False, got {self.fp8_all_gather!r}")
+        for name in BOOLEAN_OPTIONS:  # bool("no") is True: a string here would silently mean the opposite
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # a command line or a YAML file (LightningCLI: `--trainer.plugins.loss_scaling=1024`) hands a static scale
+        # over as a string, since the type is Union[str, float]: it means that float
+        self.loss_scaling = parse_loss_scaling(self.loss_scaling)
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
 
