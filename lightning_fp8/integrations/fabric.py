@@ -27,6 +27,8 @@ from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -90,6 +92,11 @@ class FP8Precision(FP8PrecisionCore, Precision):
     def forward_context(self) -> ContextManager:
         # every forward of the set-up module runs inside it: a training one starts an iteration
         return self._model_forward_context(self._module is not None and self._module.training, True)
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating-point outputs of the set-up module in the default dtype (float32), as Fabric's own "bf16-mixed"
+        returns them: a loss computed from them is computed in float32, whatever the last layer computed in."""
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
         self._check_distributed_setup()
