@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,25 @@ def test_sampling_uses_its_own_generator():
 
 
 # -- FP8ScaleMonitor -----------------------------------------------------------------------------------------------
+def test_default_run_log_is_readable_and_quiet(tmp_path):
+    """What a user sees by default: 4 metrics.csv columns per FP8 layer (before: 25), the run's worst values, and no
+    "Precision fp8-mixed is not supported by the model summary" warning (the summary is enabled, as by default)."""
+    logger = CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, however often it was seen before
+        t = trainer(plugins=[FP8Precision()], max_steps=3, logger=logger, log_every_n_steps=1,
+                    enable_model_summary=True, callbacks=[FP8ScaleMonitor()])
+        t.fit(RegressionModule(), loader())
+    assert not [w for w in caught if "model summary" in str(w.message)]
+    columns = set(read_csv(tmp_path / "run" / "version_0" / "metrics.csv")[0])
+    per_layer = sorted(c for c in columns if c.startswith("fp8/net."))
+    assert per_layer == [f"fp8/{fqn}/{name}" for fqn in ("net.2", "net.4")
+                         for name in ("fp8_enabled", "worst_overflow", "worst_sqnr_db", "worst_underflow")]
+    assert {"fp8/worst_sqnr_db", "fp8/worst_overflow", "fp8/loss_scale"} <= columns
+    history_layers = history(tmp_path / "run" / "version_0")[-2]["layers"]  # the history file keeps every statistic
+    assert set(history_layers["net.2"]["grad_output"]) >= set(STATS)
+
+
 def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
     seen = {}
 
@@ -109,7 +129,7 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
 
     model = RegressionModule()
     logger = CSVLogger(tmp_path, name="run")
-    monitor = FP8ScaleMonitor(log_every_n_steps=2)
+    monitor = FP8ScaleMonitor(log_every_n_steps=2, per_layer="full")
     t = trainer(plugins=[FP8Precision()], max_steps=6, logger=logger, log_every_n_steps=2, callbacks=[monitor, ObserverSpy()])
     t.fit(model, loader())
     layers = fp8_names(model)

@@ -6,6 +6,7 @@ live in lightning_fp8.engine.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -89,6 +90,11 @@ class FP8Precision(FP8PrecisionCore, Precision):
         gradient_communication: str = "bf16",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
+        # Lightning's ModelSummary knows the bit widths of its own precision names only and warns for any other that
+        # it counts 32 bits per parameter instead; an FP8 run's parameters are float32 masters, so the estimate is
+        # right and the warning is noise (the message names this precision exactly, nothing else is filtered)
+        warnings.filterwarnings("ignore", message=rf"Precision {self.precision} is not supported by the model summary",
+                                category=UserWarning)
 
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     def convert_input(self, data: Any) -> Any:
