@@ -55,6 +55,7 @@ from lightning_fp8.callbacks.hub import (
     layer_counters,
     precision_rows,
     publish_metrics,
+    warn_if_nothing_in_fp8,
     watched_metrics,
 )
 from lightning_fp8.callbacks.sampling import STATS, StatsRecord
@@ -156,6 +157,9 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._writes = self.history_file is not False
         if stage == "fit" and self._writes:
             hub_for(trainer).setup_history(trainer, self.history_file or None, required=True)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        warn_if_nothing_in_fp8(trainer, pl_module, type(self).__name__)
 
     def on_train_start(self, trainer, pl_module) -> None:
         hub_for(trainer).reset_layers()
