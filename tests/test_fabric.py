@@ -113,3 +113,20 @@ class _TwoOutputs(nn.Module):
     def forward(self, batch):
         x = batch["x"]
         return {"a": self.a(x), "pair": (x, self.b(x)), "ids": torch.arange(3)}
+
+
+def test_fp8_eval_false_evaluates_in_the_compute_dtype():
+    """fp8_eval=False: forwards of the module in eval mode skip FP8 (before, Fabric ran them in FP8 regardless)."""
+    from lightning_fp8 import fp8_autocast
+
+    x = torch.randn(8, 32)
+    outs = {}
+    for fp8_eval in (False, True):
+        torch.manual_seed(0)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision(fp8_eval=fp8_eval)])
+        model = fabric.setup(mlp()).eval()
+        with torch.no_grad():
+            outs[fp8_eval] = model(x)
+            with fabric.autocast(), fp8_autocast(enabled=False):
+                outs["reference"] = model.module(x).float()
+    assert torch.equal(outs[False], outs["reference"]) and not torch.equal(outs[True], outs["reference"])

@@ -44,6 +44,11 @@ def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
     root = getattr(core, "_sharding_root", None)
     if root is not None and any(m is module for m in root.modules()):
         return module
+    if core.options.backend != "lightning_fp8":
+        raise NotImplementedError(
+            f"lightning_fp8: backend={core.options.backend!r} under FSDP2 is not supported by the plugins; use "
+            "backend='lightning_fp8' with FSDP2."
+        )
     if is_fsdp_sharded(module):
         raise RuntimeError(
             "lightning_fp8: convert_for_fsdp must run before fully_shard (FSDP2 keeps the modules and parameters it "
@@ -65,7 +70,8 @@ def prepare_for_sharding(core: "FP8PrecisionCore", module: nn.Module) -> bool:
     conversion afterwards says so). Returns whether it converted."""
     from lightning_fp8.conversion.convert import is_converted, precision_map
 
-    if is_fsdp_sharded(module) or getattr(core, "_sharding_root", None) is not None:
+    if (is_fsdp_sharded(module) or getattr(core, "_sharding_root", None) is not None
+            or core.options.backend != "lightning_fp8"):  # the TE backend refuses FSDP2 at the strategy's conversion
         return False
     if not is_converted(module):
         preview = precision_map(module, core.recipe, core.module_filter)

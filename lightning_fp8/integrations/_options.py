@@ -23,6 +23,8 @@ from lightning_fp8.recipe import FP8Recipe
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
 GRADIENT_COMMUNICATION_CHOICES = ("bf16", "fp8")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: who computes the FP8 layers (FP8Options.backend)
+BACKEND_CHOICES = ("lightning_fp8", "transformer_engine")
 #: options that must be real booleans
 BOOLEAN_OPTIONS = ("fp8_eval", "fp8_all_gather")
 
@@ -56,6 +58,10 @@ class FP8Options:
         gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in FP8 with a
         scale shared across ranks (FP8-LM's automatic scaling: DDP through a comm hook, FSDP2 through a custom
         reduce-scatter), half the bytes of a BF16 reduction.
+    backend: who computes the FP8 layers: "lightning_fp8" (FP8Linear and the other FP8 layers of this library) or
+        "transformer_engine" (NVIDIA Transformer Engine's te.Linear under te.autocast, with the same recipe, loss
+        scaling, skip and rollback; per-layer features cannot see inside TE layers: docs/plugin.md, "Transformer
+        Engine backend"). Not to be confused with FP8Recipe.backend, the GEMM implementation of FP8Linear.
     """
 
     recipe: Optional[FP8Recipe] = None
@@ -79,6 +85,7 @@ class FP8Options:
     layer_recipes: Optional[LayerRecipes] = None
     fp8_all_gather: bool = True
     gradient_communication: str = "bf16"
+    backend: str = "lightning_fp8"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,6 +116,15 @@ class FP8Options:
         self.loss_scaling = parse_loss_scaling(self.loss_scaling)
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={self.backend!r} is not valid; valid choices: {list(BACKEND_CHOICES)}")
+        if self.backend == "transformer_engine":
+            if self.layer_recipes:
+                raise ValueError("layer_recipes applies to lightning_fp8's own FP8 layers; backend='transformer_engine' "
+                                 "runs one TE recipe for every layer")
+            from lightning_fp8.backends.transformer_engine import te_recipe
+
+            te_recipe(self.resolved_recipe())  # TE installed, and the recipe expressible: said here, at construction
 
     def resolved_recipe(self) -> FP8Recipe:
         return self.recipe if self.recipe is not None else get_preset(self.preset or "default")

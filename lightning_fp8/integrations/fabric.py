@@ -78,6 +78,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
         fp8_all_gather: bool = True,
         gradient_communication: str = "bf16",
+        backend: str = "lightning_fp8",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
         _convert_before_parallelize()
@@ -95,8 +96,10 @@ class FP8Precision(FP8PrecisionCore, Precision):
             self.engine.register_lr_scheduler(scheduler)
 
     def forward_context(self) -> ContextManager:
-        # every forward of the set-up module runs inside it: a training one starts an iteration
-        return self._model_forward_context(self._module is not None and self._module.training, True)
+        # every forward of the set-up module runs inside it: a training one starts an iteration; an evaluation one
+        # (module.eval()) runs in FP8 only with fp8_eval=True
+        training = self._module is not None and self._module.training
+        return self._model_forward_context(training, training or self.fp8_eval)
 
     def convert_output(self, data: Any) -> Any:
         """Floating-point outputs of the set-up module in the default dtype (float32), as Fabric's own "bf16-mixed"

@@ -59,6 +59,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
         gradient_communication: "bf16" (the strategy's own gradient reduction, in high precision) or "fp8" (gradients
             reduced in FP8 with a scale shared across ranks: a DDP comm hook, or FSDP2's reduce-scatter; half the
             bytes of BF16).
+        backend: "lightning_fp8" (this library's FP8 layers) or "transformer_engine" (NVIDIA TE's te.Linear and
+            te.autocast with the same recipe; loss scaling, skip and rollback stay the engine's; docs/plugin.md).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
@@ -89,6 +91,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
         fp8_all_gather: bool = True,
         gradient_communication: str = "bf16",
+        backend: str = "lightning_fp8",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
         # Lightning's ModelSummary knows the bit widths of its own precision names only and warns for any other that
