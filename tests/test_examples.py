@@ -20,7 +20,8 @@ def _run_here(monkeypatch, script, *args):
 
 
 def test_lightning_project_with_callbacks_and_report(monkeypatch, capsys, tmp_path):
-    _run_here(monkeypatch, "lightning_project.py", "--steps", "4", "--max-chars", "40000", "--out", str(tmp_path))
+    _run_here(monkeypatch, "lightning_project.py", "--steps", "4", "--max-chars", "40000", "--batch-size", "4",
+              "--context", "16", "--out", str(tmp_path))
     out = capsys.readouterr().out
     assert re.search(r"model\.blocks\.1\.fc1 +fp8 +converted", out) and re.search(r"final val loss \d", out)
     report = re.search(r"report: (\S+)", out).group(1)
@@ -29,12 +30,14 @@ def test_lightning_project_with_callbacks_and_report(monkeypatch, capsys, tmp_pa
 
 def test_lightning_cli_with_yaml(monkeypatch, capsys):
     _run_here(monkeypatch, "lightning_cli.py", "fit", "--config", os.path.join(EXAMPLES, "lightning_cli.yaml"),
-              "--data.steps", "3", "--data.max_chars", "40000", "--trainer.plugins.loss_scaling=1024")
+              "--data.steps", "3", "--data.max_chars", "40000", "--data.batch_size", "4", "--data.context", "16",
+              "--trainer.plugins.loss_scaling=1024")
     assert re.search(r"final val loss \d\.\d+, loss scale 1024, 0 skipped steps", capsys.readouterr().out)
 
 
 def test_fabric_loop(monkeypatch, capsys, tmp_path):
-    _run_here(monkeypatch, "fabric_train.py", "--steps", "4", "--max-chars", "40000", "--save", str(tmp_path / "c.pt"))
+    _run_here(monkeypatch, "fabric_train.py", "--steps", "4", "--max-chars", "40000", "--batch-size", "4", "--context",
+              "16", "--save", str(tmp_path / "c.pt"))
     assert re.search(r"final val loss \d\.\d+, 0 skipped steps, 0 rollbacks, loss dtype torch.float32",
                      capsys.readouterr().out)
     assert os.path.exists(tmp_path / "c.pt")
@@ -72,7 +75,8 @@ def test_unchanged_accelerate_script_as_each_launched_process_runs_it(monkeypatc
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
         launch.main(["_run_fp8", "--script", os.path.join(EXAMPLES, "accelerate_unchanged.py"), "--steps", "4",
-                     "--max-chars", "30000", "--output-dir", str(tmp_path / "state")])
+                     "--max-chars", "20000", "--batch-size", "4", "--block-size", "32",
+                     "--output-dir", str(tmp_path / "state")])
     finally:
         plain.uninstall()
     assert re.search(r"mixed_precision=fp8 accelerator=FP8Accelerator steps=4 eval_loss=\d", capsys.readouterr().out)
@@ -85,8 +89,9 @@ def test_unchanged_hf_trainer_script_on_two_processes(tmp_path):
     """transformers' Trainer builds its own Accelerator: under the launcher it is an FP8Accelerator, and its
     checkpoints carry the FP8 state (scaler.pt)."""
     out = _launch_two_processes([os.path.join(EXAMPLES, "hf_trainer.py"), "--output_dir", str(tmp_path / "out"),
-                                 "--max_steps", "6", "--save_steps", "6", "--max_chars", "40000", "--report_to", "none",
-                                 "--disable_tqdm", "true", "--per_device_train_batch_size", "4"], tmp_path)
+                                 "--max_steps", "6", "--save_steps", "6", "--max_chars", "20000", "--block_size", "32",
+                                 "--report_to", "none", "--disable_tqdm", "true", "--per_device_train_batch_size", "4",
+                                 "--per_device_eval_batch_size", "16"], tmp_path)
     assert "lightning_fp8: 6 of 9 linear layers run in FP8" in out
     assert re.search(r"mixed_precision=fp8 accelerator=FP8Accelerator steps=6 eval_loss=\d", out)
     assert os.path.exists(tmp_path / "out" / "checkpoint-6" / "scaler.pt")

@@ -94,7 +94,8 @@ def test_example_two_ranks_meta_init_fp8_all_gather():
     """examples/fsdp2_model_parallel.py on 2 CPU ranks: the model built on the meta device in __init__, sharded in
     configure_model; every FP8 layer all-gathers in FP8 and the ranks end with identical weights."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "examples/fsdp2_model_parallel.py", "--steps", "8", "--max-chars", "60000"],
+    proc = subprocess.run([sys.executable, "examples/fsdp2_model_parallel.py", "--steps", "6", "--max-chars", "30000",
+                           "--batch-size", "4", "--context", "32"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = re.findall(r"rank (\d): (\d+) FP8 layers, (\d+) all-gather their weights in FP8, first loss ([0-9.]+), "

@@ -93,12 +93,21 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Remove what `install` set (tests; a process that wants plain Accelerators back)."""
+    """Make accelerate.Accelerator build its own class again (tests; a process that wants plain Accelerators back).
+
+    The installed __new__ is replaced by one that allocates the class asked for, not deleted: CPython keeps a class's
+    allocation slot pointing at a Python-level __new__ once one was set, and with it deleted `object.__new__` refuses
+    the constructor's arguments ("takes exactly one argument")."""
     from accelerate import Accelerator
 
     if getattr(Accelerator.__dict__.get("__new__"), _MARK, False):
-        del Accelerator.__new__
+        Accelerator.__new__ = _allocate  # type: ignore[method-assign]
     _defaults["kwargs"] = None
+
+
+def _allocate(cls, *args: Any, **kwargs: Any):
+    """Python's default allocation (the arguments are __init__'s)."""
+    return object.__new__(cls)
 
 
 def _class_for(cls: type, args: tuple, kwargs: dict) -> type:
