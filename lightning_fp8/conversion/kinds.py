@@ -182,7 +182,7 @@ FOREIGN_FP8 = {"torchao": "torchao", "transformer_engine": "Transformer Engine",
 FOREIGN_FP8_CLASSES = {"Float8Linear", "MXLinear", "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear",
                        "FP8Linear", "ScalingLinear"}
 
-NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear and transformers' Conv1D)"
+NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear, transformers' Conv1D and nn.MultiheadAttention's projections)"
 
 
 @dataclass(frozen=True)
