@@ -3,8 +3,9 @@
 Two kinds of rules, each returning the reason a layer stays in BF16 (None: convert it):
 
 - `structural_skip_reason`: the layer cannot become an FP8 layer as it is used, whatever the filter says
-  (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16; an uninitialized
-  LazyLinear; a forward replaced on the instance; a parametrization that changes the weight's shape).
+  (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16 (a convolution's
+  channels per group); a depthwise convolution; an uninitialized LazyLinear / LazyConv; a forward replaced on the
+  instance; a parametrization that changes the weight's shape).
 - `default_skip_reason`: the default filter on top of those: `FP8Recipe.skip_patterns`, LoRA adapters, and the
   first / last rule (decided in lightning_fp8/conversion/order.py, over layers that would otherwise convert).
 
@@ -13,12 +14,14 @@ Two kinds of rules, each returning the reason a layer stays in BF16 (None: conve
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Callable, Optional
 
 from torch import nn
 
 from lightning_fp8.conversion import kinds
 from lightning_fp8.conversion.transplant import parametrization_mismatch
+from lightning_fp8.modules.conv_layout import PADDING_MODES
 from lightning_fp8.recipe import FP8Recipe
 
 #: module_filter(module, fqn) -> bool: True converts the layer
@@ -36,7 +39,7 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
     if isinstance(module._parameters.get("weight"), nn.parameter.UninitializedParameter):  # (no parametrized read)
-        return "LazyLinear not initialized yet (run one forward before conversion)"
+        return f"{type(module).__name__} not initialized yet (run one forward before conversion)"
     if "forward" in module.__dict__:
         return ("its forward is replaced on the instance (a wrapper or a library hook, e.g. Accelerate's device-map "
                 "hooks): an FP8 layer would bypass that replacement")
@@ -45,12 +48,31 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
         mismatch = parametrization_mismatch(module, kind.tensor_shapes(module))
         if mismatch is not None:
             return mismatch
+        if kind.family == "convolution":
+            return convolution_skip_reason(module)
     in_features, out_features = kinds.features(module)
     if in_features % 16 or out_features % 16:
         return (
             f"in/out features {in_features}x{out_features} are not multiples of 16 "
             "(FP8 GEMMs need 16-aligned dimensions)"
         )
+    return None
+
+
+def convolution_skip_reason(conv: nn.Module) -> Optional[str]:
+    """Why an nn.Conv1d / nn.Conv2d cannot run its GEMMs in FP8 (None: it can). Its GEMMs per group are
+    (N*Ho*Wo) x (kh*kw*C/g) x (O/g): 16-aligned when the channels per group are."""
+    if conv.padding_mode not in PADDING_MODES:
+        return f"padding_mode={conv.padding_mode!r}: no FP8 path (supported: {list(PADDING_MODES)})"
+    groups = conv.groups
+    c_in, c_out = conv.in_channels // groups, conv.out_channels // groups
+    if groups > 1 and c_in == 1:
+        return (f"depthwise convolution (groups={groups}): each channel is its own GEMM of K = "
+                f"{c_in * math.prod(conv.kernel_size)}, N = {c_out}, too small for FP8 to pay off (and not 16-aligned)")
+    if c_in % 16 or c_out % 16:
+        per_group = " per group" if groups > 1 else ""
+        return (f"in/out channels{per_group} {c_in}x{c_out} are not multiples of 16 (FP8 GEMMs need 16-aligned "
+                "dimensions)")
     return None
 
 
@@ -100,6 +122,7 @@ __all__ = [
     "ModuleFilter",
     "SKIP_REASON_ATTR",
     "structural_skip_reason",
+    "convolution_skip_reason",
     "rule_skip_reason",
     "default_skip_reason",
     "filter_reason",
