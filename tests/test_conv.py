@@ -263,3 +263,32 @@ def test_unbatched_input_and_eval_forward_leave_the_state_alone():
     conv(torch.randn(1, 16, 5, 5))
     # a training forward records the input's and the weight's amax (the gradient's comes with backward)
     assert conv.fp8_meta.amax_history[:2, 0].gt(0).all() and conv.fp8_meta.amax_history[2, 0] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CUDA (unverified until a GPU session runs `pytest -m cuda`): the same definitions through torch._scaled_mm
+# ------------------------------------------------------------------------------------------------------------------
+CUDA_GEOMETRIES = [g for g in GEOMETRIES if g[0] in ("3x3", "stride2", "groups", "pointwise_stride2", "conv1d")]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,build,shape", CUDA_GEOMETRIES, ids=[g[0] for g in CUDA_GEOMETRIES])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_scaled_mm_conv_equals_its_definition(name, build, shape, channels_last):
+    """On FP8 tensor cores every GEMM of the convolution (the unfolded operands in the layouts _scaled_mm takes: the
+    Triton casts' transposes, the column-major im2col and weight matrices) equals the definition within the float32
+    summation bound (fast accumulation off: it accumulates in less than float32)."""
+    from lightning_fp8.modules.gemm import scaled_mm_supported
+
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("GPU without FP8 tensor cores")
+    torch.manual_seed(0)
+    conv = build().cuda()
+    recipe = FP8Recipe(scaling="current", backend="scaled_mm", fast_accum_forward=False)
+    fp8 = (FP8Conv1d if isinstance(conv, nn.Conv1d) else FP8Conv2d).from_conv(copy.deepcopy(conv), recipe)
+    x = torch.randn(shape, device="cuda")
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(conv(x).shape, device="cuda") * 1e-2
+    _check_definition(conv, fp8, x, dy, recipe)
