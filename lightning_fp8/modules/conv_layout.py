@@ -88,8 +88,8 @@ def padded_nhwc(x: Tensor, geometry: ConvGeometry) -> Tensor:
     border: the tensor the windows are read from. No copy for channels-last data without padding."""
     top, bottom, left, right = geometry.padding
     nhwc = x.permute(0, 2, 3, 1)
-    if not (top or bottom or left or right) and nhwc.is_contiguous():
-        return nhwc
+    if not (top or bottom or left or right):
+        return nhwc.contiguous()
     n, c, h, w = x.shape
     out = torch.zeros((n, h + top + bottom, w + left + right, c), dtype=x.dtype, device=x.device)
     out[:, top:top + h, left:left + w, :].copy_(nhwc)
