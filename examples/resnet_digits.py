@@ -34,7 +34,8 @@ from lightning_fp8 import FP8Precision, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
 
 
-def digits(image_size: int = 32, split_seed: int = 0, test_fraction: float = 0.25) -> Tuple[TensorDataset, TensorDataset]:
+def digits(image_size: int = 32, split_seed: int = 0,
+           test_fraction: float = 0.25) -> Tuple[TensorDataset, TensorDataset]:
     """(train, test) of scikit-learn's digits as 3-channel `image_size` images, standardized, split by a fixed
     permutation (the same split whatever the training seed)."""
     from sklearn.datasets import load_digits
@@ -99,7 +100,7 @@ class DigitsClassifier(L.LightningModule):
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--image-size", type=int, default=32)

@@ -72,8 +72,8 @@ class GrowWeight(Callback):
 
 
 def test_monitor_fallback_and_checkpoints_see_the_convolutions(tmp_path):
-    """net.6's weight grows x30 per step for 4 steps from step 2: its weight cast overflows, and so does the input of the layers
-    after it; the fallback moves net.6, where the overflow originates, to BF16. The monitor's history holds every FP8
+    """net.6's weight grows x30 per step for 4 steps from step 2: its weight cast overflows, and so does the input of
+    the layers after it; the fallback moves net.6, where the overflow originates, to BF16. The monitor's history holds every FP8
     convolution's statistics; the checkpoint holds their FP8 state, and a resumed run has the same precision map."""
     torch.manual_seed(0)
     model = ConvNet()

@@ -106,7 +106,7 @@ class FP8ConvGemms(torch.autograd.Function):
         cfg: GemmConfig = ctx.cfg
         geometry: ConvGeometry = ctx.geometry
         groups = geometry.groups
-        needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[:3]
         n, c, h, w = ctx.x_shape
         out_hw = (grad_out.shape[2], grad_out.shape[3])
         if ctx.observer is not None:
@@ -188,7 +188,8 @@ class Unfold(torch.autograd.Function):
         n, c, h, w = x.shape
         out_hw = geometry.output_size(h, w)
         xp = padded_nhwc(x.to(torch.float32), geometry)
-        ctx.geometry, ctx.x_shape, ctx.x_dtype, ctx.x_format, ctx.out_hw = geometry, (n, c, h, w), x.dtype, _memory_format(x), out_hw
+        ctx.geometry, ctx.x_shape, ctx.out_hw = geometry, (n, c, h, w), out_hw
+        ctx.x_dtype, ctx.x_format = x.dtype, _memory_format(x)
         return tuple(im2col(xp, geometry, g, out_hw).contiguous() for g in range(geometry.groups))
 
     @staticmethod

@@ -49,7 +49,7 @@ class ConvGeometry(NamedTuple):
     @staticmethod
     def of(conv: nn.Module) -> "ConvGeometry":
         """The geometry of an nn.Conv1d / nn.Conv2d's GEMMs. A padding mode other than "zeros" contributes no zero
-        padding here: the layer pads its input with that mode first (`input_padding`)."""
+        padding here: the layer pads its input with that mode first (F.pad, as nn.Conv2d does)."""
         two_d = len(conv.kernel_size) == 2
         kernel = tuple(conv.kernel_size) if two_d else (1, conv.kernel_size[0])
         stride = tuple(conv.stride) if two_d else (1, conv.stride[0])
@@ -71,11 +71,6 @@ class ConvGeometry(NamedTuple):
     def is_pointwise(self) -> bool:
         """A 1x1 convolution with stride 1 and no padding: the GEMM reads the input as it is."""
         return self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0, 0, 0)
-
-
-def input_padding(conv: nn.Module) -> Tuple[int, ...]:
-    """F.pad's argument for a convolution whose padding_mode is not "zeros" (nn.Conv's `_reversed_padding_repeated_twice`)."""
-    return tuple(conv._reversed_padding_repeated_twice)
 
 
 def is_channels_last(x: Tensor) -> bool:
@@ -185,7 +180,6 @@ def weight_from_matrix(dw: Tensor, weight_shape: torch.Size) -> Tensor:
 __all__ = [
     "ConvGeometry",
     "PADDING_MODES",
-    "input_padding",
     "is_channels_last",
     "padded_nhwc",
     "im2col",
