@@ -1,12 +1,14 @@
 """Device kernels of lightning-fp8 (shipped as `lightning_fp8.kernels`).
 
-Importing this package never imports triton: the Triton code lives in `triton_cast.py` and is loaded on first
+Which path a tensor takes is decided by its device's profile (`device.py`, which can also simulate a CUDA GPU's
+paths on CPU for tests). Importing this package never imports triton: the Triton code lives in `triton_cast.py` and is loaded on first
 use, only when triton is importable. Without triton (or without CUDA) every op runs its torch twin from
 `reference.py`, which is defined by `lightning_fp8.numerics`.
 
 Switches (environment variables, read at call time):
   LIGHTNING_FP8_DISABLE_TRITON=1   never use the Triton kernels (the torch reference everywhere)
   LIGHTNING_FP8_SOFT_CAST=1        use the kernels' exact integer FP8 rounding instead of the hardware cvt
+  LIGHTNING_FP8_CPU_REFERENCE=1    run the torch reference on CPU instead of the CPU twins (kernels/cpu.py)
   LIGHTNING_FP8_TRITON_RAND=1      stochastic rounding draws its noise inside the kernel (tl.rand) instead of
                                    reading a torch.rand tensor: saves 8 bytes/element, not bit-identical to the
                                    reference path
@@ -20,6 +22,8 @@ import importlib.util
 import os
 
 import torch
+
+from lightning_fp8.kernels.device import profile_of, simulated_profile
 
 #: dtypes the cast kernels read (anything else goes through the reference)
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,13 +55,19 @@ def interpreter_enabled() -> bool:
 
 
 def triton_enabled_for(x: torch.Tensor) -> bool:
-    """Whether the ops run `x` through the Triton kernel: a CUDA tensor (or a CPU tensor under the interpreter),
-    a dtype the kernel reads, triton importable and not disabled."""
+    """Whether the ops run `x` through the Triton kernel: a dtype the kernel reads, triton importable and not
+    disabled, and a CUDA tensor, or a CPU tensor under the Triton interpreter (where a simulated CUDA machine has
+    triton, `device.simulate_cuda`), or a meta tensor of a simulated CUDA machine with triton (shapes only)."""
     if x.dtype not in KERNEL_INPUT_DTYPES or triton_disabled():
         return False
     if x.device.type == "cuda":
         return triton_available()
-    return x.device.type == "cpu" and interpreter_enabled() and triton_available()
+    simulated = simulated_profile()
+    if simulated is not None and not simulated.triton:
+        return False
+    if x.device.type == "cpu":
+        return interpreter_enabled() and triton_available()
+    return x.device.type == "meta" and simulated is not None
 
 
 def fused_cast_enabled_for(x: torch.Tensor) -> bool:
@@ -66,10 +76,39 @@ def fused_cast_enabled_for(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and triton_enabled_for(x)
 
 
+def cpu_twins_enabled_for(x: torch.Tensor) -> bool:
+    """Whether the ops run `x` through the CPU twins of kernels/cpu.py (a real CPU, not forced to the reference, not
+    taking a simulated CUDA machine's paths: CUDA runs the reference where it has no Triton kernel)."""
+    return x.device.type == "cpu" and simulated_profile() is None and not _env_flag("LIGHTNING_FP8_CPU_REFERENCE")
+
+
 def use_soft_cast(x: torch.Tensor) -> bool:
-    """Exact integer FP8 rounding instead of the hardware cvt: under the interpreter (its fp8 conversion mis-rounds
-    values that round up across a power of two), or when asked."""
-    return x.device.type != "cuda" or _env_flag("LIGHTNING_FP8_SOFT_CAST")
+    """Exact integer FP8 rounding instead of the hardware cvt: on GPUs without an FP8 convert instruction (below
+    sm89: Triton refuses `.to(tl.float8e4nv)` there), on sm89 with a Triton that converts float32 through float16
+    there (two roundings: 3.6 does, 3.9 does not; docs/numerics.md), under the interpreter (its fp8 conversion
+    mis-rounds values that round up across a power of two), or when asked."""
+    if x.device.type != "cuda" or _env_flag("LIGHTNING_FP8_SOFT_CAST"):
+        return True
+    return not hardware_cast_exact(profile_of(x.device).capability, triton_version())
+
+
+def hardware_cast_exact(capability, version) -> bool:
+    """Whether Triton's hardware FP8 conversion compiles on `capability` and rounds float32 once, as torch's cast
+    does: sm89+, and on sm89 only from Triton 3.9 (earlier ones go through float16 there)."""
+    if capability is None or tuple(capability) < (8, 9):
+        return False
+    return tuple(capability) != (8, 9) or tuple(version) >= (3, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> tuple:
+    """(major, minor) of the installed triton; (0, 0) without one."""
+    if not triton_available():
+        return (0, 0)
+    import triton
+
+    parts = triton.__version__.split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
 def in_kernel_rand() -> bool:
@@ -84,8 +123,11 @@ __all__ = [
     "triton_disabled",
     "triton_enabled_for",
     "fused_cast_enabled_for",
+    "cpu_twins_enabled_for",
     "interpreter_enabled",
     "use_soft_cast",
+    "hardware_cast_exact",
+    "triton_version",
     "in_kernel_rand",
     "fp8_cast",
     "fp8_amax",

@@ -29,12 +29,18 @@ and its fake implementation only has to describe shapes.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
-from lightning_fp8.kernels import cpu, reference, triton_available, triton_enabled_for, use_soft_cast
+from lightning_fp8.kernels import (
+    cpu,
+    cpu_twins_enabled_for,
+    reference,
+    triton_available,
+    triton_enabled_for,
+    use_soft_cast,
+)
 from lightning_fp8.numerics.formats import get_format
 
 SCALINGS = ("delayed", "current", "none")
@@ -87,8 +93,7 @@ def _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, comp
             amax = reference.amax_reference(x, skip_if) if compute_amax else None
         else:
             fast = None
-            if (x.device.type == "cpu" and noise is None and seed is None and x.is_floating_point()
-                    and not cpu_reference_forced()):
+            if cpu_twins_enabled_for(x) and noise is None and seed is None and x.is_floating_point():
                 fast = cpu.cast_cpu(x, scale, f, write_row=write_row, write_t=write_t, compute_amax=compute_amax)
             out, out_t, amax = fast if fast is not None else reference.cast_reference(
                 x,
@@ -210,16 +215,11 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
         stochastic=seed is not None,
         record=record,
     )
-    if x.device.type == "cpu" and history.device.type == "cpu" and not cpu_reference_forced():
+    if cpu_twins_enabled_for(x) and history.device.type == "cpu":
         q, scale, scale_inv = cpu.scaled_cast_cpu(*args, **kwargs)
         return q, _empty(x, f.dtype), scale, scale_inv
     q, scale = reference.scaled_cast_reference(*args, **kwargs)
     return q.contiguous(), _empty(x, f.dtype), scale, scale.reciprocal()
-
-
-def cpu_reference_forced() -> bool:
-    """LIGHTNING_FP8_CPU_REFERENCE=1 runs the torch reference on CPU instead of the CPU kernels (kernels/cpu.py)."""
-    return os.environ.get("LIGHTNING_FP8_CPU_REFERENCE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @scaled_cast_op.register_fake

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
 from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
@@ -73,22 +74,30 @@ def scaled_cast_reference(
     recipe, the saturating cast, and (record) this tensor's amax accumulated into the step in progress (slot 0,
     NaN / inf kept raw: closing the step counts them). Returns (x_fp8, scale). `history` is [roles, L+1]."""
     row = history[role]
-    # CPU-side checks below (bool(...)): there is no device to synchronise with on this path
-    ref = reference_amax(row, algo_max) if scaling == "delayed" else None
-    sized_by_history = ref is not None and bool(ref > 0)
-    needs_amax = record or scaling == "current" or (scaling == "delayed" and not sized_by_history)
-    amax = fast_amax(x) if needs_amax else torch.zeros((), dtype=torch.float32, device=x.device)
-    if sized_by_history:
-        # cast_scale's answer when the history sizes the scale (its fallbacks unused), in one call
-        scale = scale_from_amax(ref, fmt.max, margin, 1.0, power_of_2)
-    else:
-        scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
     rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
-    if rounding == "nearest" and needs_amax and bool(amax * scale <= fmt.max):
-        # nothing can saturate (a CPU-side check: no device here): quantize without its clamp, the same bytes
-        q = (x.to(torch.float32) * scale).to(fmt.dtype)
-    else:
+    if not profile_of(x.device).host_checks_allowed:
+        # a GPU runs this without triton (or with LIGHTNING_FP8_DISABLE_TRITON=1, or for float64 input): decide
+        # nothing on the host, which would synchronise with the device twice per cast. The amax is always taken
+        # (one reduction) and the scale follows cast_scale's rules on the device; quantize clamps.
+        amax = fast_amax(x)
+        scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
         q = quantize(x, scale, fmt, rounding=rounding, noise=noise, generator=generator)
+    else:
+        # on a CPU the checks below read values already on the host: no device to synchronise with
+        ref = reference_amax(row, algo_max) if scaling == "delayed" else None
+        sized_by_history = ref is not None and bool(ref > 0)
+        needs_amax = record or scaling == "current" or (scaling == "delayed" and not sized_by_history)
+        amax = fast_amax(x) if needs_amax else torch.zeros((), dtype=torch.float32, device=x.device)
+        if sized_by_history:
+            # cast_scale's answer when the history sizes the scale (its fallbacks unused), in one call
+            scale = scale_from_amax(ref, fmt.max, margin, 1.0, power_of_2)
+        else:
+            scale = cast_scale(row, amax, fmt.max, scaling, algo_max, margin, power_of_2)
+        if rounding == "nearest" and needs_amax and bool(amax * scale <= fmt.max):
+            # nothing can saturate: quantize without its clamp, the same bytes
+            q = (x.to(torch.float32) * scale).to(fmt.dtype)
+        else:
+            q = quantize(x, scale, fmt, rounding=rounding, noise=noise, generator=generator)
     if record:
         slot = history[role, 0]
         slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
@@ -128,11 +137,15 @@ def tiled_cast_reference(
     rounding = "stochastic" if noise is not None else "nearest"
     q = s = q_t = s_t = None
     amax = None
+    # every output contiguous (row-major), whatever x's layout: what the op's fake implementation promises and what
+    # a kernel writes; x^T cast from the transposed view would otherwise come back column-major
     if len(tile):
         q, s, amax = quantize_tiles(x, tile, fmt, margin, power_of_2, rounding=rounding, noise=noise)
+        q, s = q.contiguous(), s.contiguous()
     if len(tile_t):
         noise_t = noise.t() if noise is not None else None
         q_t, s_t, amax_t = quantize_tiles(x.t(), tile_t, fmt, margin, power_of_2, rounding=rounding, noise=noise_t)
+        q_t, s_t = q_t.contiguous(), s_t.contiguous()
         amax = amax_t if amax is None else amax
     if record:
         if amax is None:

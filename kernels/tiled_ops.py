@@ -10,17 +10,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_fp8.kernels import cpu, reference
+from lightning_fp8.kernels import cpu, cpu_twins_enabled_for, reference
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.tiles import grid_shape
 
 Tensor = torch.Tensor
-
-
-def _cpu_reference_forced() -> bool:
-    from lightning_fp8.kernels.ops import cpu_reference_forced  # ops.py imports this module
-
-    return cpu_reference_forced()
 
 
 def _empty(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -43,17 +37,18 @@ def tiled_cast_op(
     f = get_format(fmt)
     with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
         fast = None
-        if x.device.type == "cpu" and noise is None and not _cpu_reference_forced():
+        if cpu_twins_enabled_for(x) and noise is None:
             fast = cpu.tiled_cast_cpu(x, history, role, f, tile, tile_t, margin, power_of_2, record=record)
         q, s, q_t, s_t = fast if fast is not None else reference.tiled_cast_reference(
             x, history, role, f, tile, tile_t, margin, power_of_2, noise=noise, record=record
         )
+    # contiguous outputs on every path, as the fake implementation says (the CPU twin follows x's layout)
     empty_scale = _empty(x, torch.float32)
     return (
-        q if q is not None else _empty(x, f.dtype),
-        s if s is not None else empty_scale,
-        q_t if q_t is not None else _empty(x, f.dtype),
-        s_t if s_t is not None else empty_scale,
+        q.contiguous() if q is not None else _empty(x, f.dtype),
+        s.contiguous() if s is not None else empty_scale,
+        q_t.contiguous() if q_t is not None else _empty(x, f.dtype),
+        s_t.contiguous() if s_t is not None else empty_scale,
     )
 
 

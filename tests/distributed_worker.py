@@ -560,6 +560,48 @@ def all_gather_paths():
     return result
 
 
+def all_gather_lazy_scales():
+    """FP8 all-gather of layers trained WITHOUT an engine (each closes its scaling step lazily, at its next training
+    forward) against the same model unsharded, over several optimizer steps: outputs, gradients and histories bit for
+    bit. The weight cast happens in FSDP2's pre-all-gather hook, before the forward: it must close the pending step
+    first, or it casts with the history of the step before (exact scales, not powers of two, so a changed amax shows)."""
+    import copy
+
+    from lightning_fp8 import FP8Recipe
+    from lightning_fp8.distributed import enable_fp8_all_gather
+    from lightning_fp8.modules.linear import FP8Linear
+
+    torch.manual_seed(0)
+    recipe = FP8Recipe(power_of_2_scales=False)
+    base = nn.Sequential(FP8Linear(32, 64, recipe=recipe), nn.ReLU(), FP8Linear(64, 32, recipe=recipe))
+    reference, sharded = copy.deepcopy(base), copy.deepcopy(base)
+    enable_fp8_all_gather(sharded)
+    for layer in sharded:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(sharded)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, sharded)]
+    result = {"same": []}
+    for step in range(4):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for model, opt in zip((reference, sharded), optimizers):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().sum().backward()
+            grads = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for p in model.parameters()]
+            opt.step()
+            outs.append((out.detach().float(), grads))
+        (out_r, grads_r), (out_s, grads_s) = outs
+        same = torch.equal(out_r, out_s) and all(torch.equal(a, b) for a, b in zip(grads_r, grads_s))
+        same = same and all(torch.equal(r.fp8_meta.amax_history, s.fp8_meta.amax_history)
+                            for r, s in zip(reference, sharded) if isinstance(r, FP8Linear))
+        result["same"].append(same)
+    return result
+
+
 SCENARIOS = {
     "lightning_fsdp2": lightning_fsdp2,
     "lightning_ddp": lightning_ddp,
@@ -575,6 +617,7 @@ SCENARIOS = {
     "fsdp2_reduce_scatter": fsdp2_reduce_scatter,
     "all_gather_bytes": all_gather_bytes,
     "all_gather_paths": all_gather_paths,
+    "all_gather_lazy_scales": all_gather_lazy_scales,
 }
 
 

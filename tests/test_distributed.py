@@ -184,3 +184,11 @@ def test_fp8_all_gather_every_weight_path_exact(runs):
         assert "all-gathered in FP8" in r["foreign_read"]
         assert "shared with another module" in r["tied_reason"] == r["tied_reason_attr"]
         assert "convert_for_fsdp" in r["late_conversion"]
+
+
+def test_fp8_all_gather_without_an_engine_casts_with_the_closed_history(runs):
+    """Layers that close their own scaling steps (no engine): the pre-all-gather cast of the weight closes the pending
+    step first, as the layer's forward does; before, it used the history of the step before, so the sharded model's
+    weight scale (and every output from step 2 on) differed from the unsharded model's."""
+    for r in runs("all_gather_lazy_scales"):
+        assert r["same"] == [True, True, True, True]

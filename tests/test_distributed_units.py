@@ -108,3 +108,42 @@ def test_accelerate_refuses_fsdp1():
     with pytest.raises(NotImplementedError, match="fsdp_version=2"):
         check_fsdp_version(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
     check_fsdp_version(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+
+
+def test_post_all_gather_ties_the_copy_in_streams_scale_and_amax_to_the_compute_stream(monkeypatch):
+    """FSDP2 calls fsdp_pre_all_gather on its copy-in stream (the scale and amax are allocated there) and
+    fsdp_post_all_gather on the compute stream, and drops the metadata right after the hook: the hook must tie both
+    tensors to the compute stream (record_stream) before their memory can be reused; on both paths (first gather and
+    a re-gather into the same buffers). What only a GPU shows: the race itself, under NCCL and prefetch."""
+    from lightning_fp8.distributed import all_gather
+    from lightning_fp8.modules.precast import CastKey
+
+    kept = []
+    monkeypatch.setattr(all_gather, "keep_for_current_stream", lambda *tensors: kept.append(tensors))
+    weight = FP8AllGatherWeight(torch.randn(8, 16))
+    key = CastKey(fmt="e4m3", scaling="delayed", algo_max=True, margin=0, power_of_2=True)
+    meta = all_gather._GatherMeta(torch.tensor(4.0), torch.tensor(2.0), key, torch.float8_e4m3fn, None, 8, 8)
+    data = torch.zeros(8, 16, dtype=torch.uint8)
+    gathered, _ = weight.fsdp_post_all_gather((data,), meta, torch.float32)
+    assert len(kept) == 1 and kept[0][0] is meta.scale and kept[0][1] is meta.amax
+    again = all_gather._GatherMeta(torch.tensor(8.0), torch.tensor(1.0), key, torch.float8_e4m3fn, None, 8, 8)
+    weight.fsdp_post_all_gather((data,), again, torch.float32, out=gathered)
+    assert len(kept) == 2 and kept[1][0] is again.scale and kept[1][1] is again.amax
+
+
+def test_keep_for_current_stream_records_cuda_tensors_on_the_current_stream(monkeypatch):
+    from lightning_fp8.distributed.all_gather import keep_for_current_stream
+
+    class CudaTensor:  # a stand-in: a CPU build has no CUDA tensors
+        is_cuda, device = True, "cuda:1"
+
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
+    cuda_tensor, cpu_tensor = CudaTensor(), torch.ones(1)
+    keep_for_current_stream(cuda_tensor, cpu_tensor)
+    assert cuda_tensor.recorded == ["current stream of cuda:1"]

@@ -23,15 +23,9 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8.modules.gemm import (
-    FP8EmulationWarning,
-    _scaled_mm_applies,
-    _bf16_gemm,
-    _scaled_mm_gemm,
-    emulated_gemm,
-    fp8_bf16_image,
-    fp8_gemm,
-)
+from lightning_fp8.kernels.device import simulate_cuda
+from lightning_fp8.modules.gemm import FP8EmulationWarning, _bf16_gemm, emulated_gemm, fp8_bf16_image, fp8_gemm
+from lightning_fp8.modules.scaled_mm import GemmOperands, Refusal, ScaledMMCall, plan_scaled_mm, target_for
 from lightning_fp8.numerics import E4M3, quantize
 
 HAS_CUDA = torch.cuda.is_available()
@@ -94,8 +88,10 @@ def test_fp8_gemm_traces_without_graph_breaks():
 # ------------------------------------------------------------------------------------------------------------------
 # the _scaled_mm path's layout / padding / bias logic, run through CPU _scaled_mm (slow there: small shapes only)
 # ------------------------------------------------------------------------------------------------------------------
-def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias):
-    out = _scaled_mm_gemm(a, sa, b, sb, out_dtype, bias, False)
+def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias, arch=(9, 0)):
+    call = plan_scaled_mm(GemmOperands(a, sa, None, b, sb, None, out_dtype, bias, False), target_for(arch))
+    assert isinstance(call, ScaledMMCall), call
+    out = call.launch()
     ref = emulated_gemm(a, sa, b, sb, out_dtype, bias)
     assert out.dtype == out_dtype and out.shape == ref.shape and out.is_contiguous()
     if out_dtype == torch.float32:
@@ -128,12 +124,18 @@ def test_scaled_mm_path_pads_and_fixes_layouts(m, k, n, out_dtype, with_bias):
 
 def test_e5m2_times_e5m2_is_emulated():
     a, b = _fp8((16, 16), E5, 1), _fp8((16, 16), E5, 2)
-    with pytest.warns(FP8EmulationWarning, match="two e5m2"):
-        import lightning_fp8.modules.gemm as gemm
+    one = torch.tensor(1.0)
+    plan = plan_scaled_mm(GemmOperands(a, one, None, b, one, None, torch.float32, None, False), target_for((9, 0)))
+    assert isinstance(plan, Refusal) and "two e5m2" in plan.reason
+    import lightning_fp8.modules.gemm as gemm
 
-        gemm._warned_e5m2 = False
-        assert not _scaled_mm_applies(a, b)
-    assert _scaled_mm_applies(a, b.to(torch.float32).to(E4)) is True
+    gemm._warned.clear()
+    with simulate_cuda((9, 0)), pytest.warns(FP8EmulationWarning, match="two e5m2"):
+        out = fp8_gemm(a, one, b, one, torch.float32)
+    assert torch.equal(out, emulated_gemm(a, one, b, one, torch.float32))
+    e4 = b.to(torch.float32).to(E4)
+    assert isinstance(plan_scaled_mm(GemmOperands(a, one, None, e4, one, None, torch.float32, None, False),
+                                     target_for((9, 0))), ScaledMMCall)
 
 
 def test_scaled_mm_backend_requires_capable_gpu():
@@ -353,3 +355,21 @@ def test_float32_operands_of_the_emulation_are_exact_for_every_code(fmt):
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+def test_emulation_warnings_point_at_the_users_line():
+    """The one-time notice names the line of the user's code that ran the layer (or called backward), not a file
+    inside torch or this library."""
+    import lightning_fp8.modules.gemm as gemm
+
+    gemm._warned.clear()
+    layer = FP8Linear(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(4, 32)).sum().backward()
+        with simulate_cuda((8, 9)):
+            FP8Linear(128, 128, recipe=FP8Recipe(scaling="blockwise"))(torch.randn(128, 128))
+    notices = [w for w in caught if issubclass(w.category, FP8EmulationWarning)]
+    assert len(notices) == 2 and "no FP8 tensor cores" in str(notices[0].message)
+    assert "sm90 only" in str(notices[1].message)
+    assert all(w.filename == __file__ for w in notices), [(w.filename, w.lineno) for w in notices]

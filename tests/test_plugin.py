@@ -175,7 +175,7 @@ def test_emulation_notice_on_cpu():
 
     from lightning_fp8.modules import gemm
 
-    gemm._warned_devices.clear()
+    gemm._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(plugins=[FP8Precision()], max_steps=2).fit(RegressionModule(), loader())

@@ -7,14 +7,20 @@ import pytest
 import torch
 
 from lightning_fp8 import FP8Linear, FP8Recipe
+from lightning_fp8.kernels.device import simulate_cuda
+from lightning_fp8.modules import gemm
 from lightning_fp8.modules.gemm import FP8EmulationWarning
-from lightning_fp8.modules.tiled_gemm import (
-    _refused,
-    emulated_tiled_gemm,
-    fp8_gemm_tiled,
-    scaled_mm_kind,
-    scaled_mm_tiled,
+from lightning_fp8.modules.scaled_mm import (
+    BLOCK_1x128_1x128,
+    BLOCK_1x128_128x128,
+    ROWWISE,
+    GemmOperands,
+    Refusal,
+    ScaledMMCall,
+    plan_scaled_mm,
+    target_for,
 )
+from lightning_fp8.modules.tiled_gemm import emulated_tiled_gemm, fp8_gemm_tiled
 from lightning_fp8.numerics import E4M3, E5M2
 from lightning_fp8.numerics.tiles import expand_tiles, quantize_tiles, tiled_gemm_reference, transposed
 
@@ -108,15 +114,27 @@ def test_non_power_of_two_scales_run_the_definition():
     assert torch.equal(out, tiled_gemm_reference(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16))
 
 
+def _kind(a, a_tile, b, b_tile):
+    one = torch.tensor(1.0)
+    return GemmOperands(a, one, a_tile, b, one, b_tile, torch.bfloat16, None, False).kind()
+
+
 def test_scaled_mm_kind():
     a8 = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
     b8 = torch.zeros(384, 128, dtype=torch.float8_e4m3fn)
-    assert scaled_mm_kind(a8, (1, 0), b8, (0, 1)) == "rowwise"
-    assert scaled_mm_kind(a8, (1, 128), b8, (128, 128)) == "blockwise"
-    assert scaled_mm_kind(a8, (1, 128), b8, (128, 1)) == "blockwise"
-    assert scaled_mm_kind(a8[:100], (1, 128), b8, (128, 128)) is None  # M not a multiple of 128
-    assert scaled_mm_kind(a8, (1, 32), b8, (32, 32)) is None  # GPU blockwise GEMMs take 128 only
-    assert scaled_mm_kind(a8.to(torch.float8_e5m2), (1, 0), b8.to(torch.float8_e5m2), (0, 1)) is None
+    assert _kind(a8, (1, 0), b8, (0, 1)) == ROWWISE
+    assert _kind(a8, (1, 128), b8, (128, 128)) == BLOCK_1x128_128x128
+    assert _kind(a8, (1, 128), b8, (128, 1)) == BLOCK_1x128_1x128
+    assert _kind(a8, (1, 32), b8, (32, 32)) is None  # GPU blockwise GEMMs take 128 only
+    # kinds a target refuses, with the reason
+    one = torch.tensor(1.0)
+    ops = GemmOperands(a8[:100], torch.ones(100, 3), (1, 128), b8, torch.ones(3, 1), (128, 128), torch.bfloat16, None,
+                       False)
+    refusal = plan_scaled_mm(ops, target_for((9, 0)))
+    assert isinstance(refusal, Refusal) and "multiples of 128" in refusal.reason  # M (tokens) = 100
+    e5 = GemmOperands(a8.to(torch.float8_e5m2), one, (1, 0), b8.to(torch.float8_e5m2), one, (0, 1), torch.bfloat16,
+                      None, False)
+    assert "two e5m2" in plan_scaled_mm(e5, target_for((9, 0))).reason
 
 
 @pytest.mark.parametrize("m,k,n", [(32, 48, 16), (17, 33, 7), (5, 20, 24)])
@@ -125,33 +143,38 @@ def test_rowwise_scaled_mm_path_through_cpu_scaled_mm(m, k, n, with_bias):
     """The CUDA path's layout fixes, K / N padding and bias, run through CPU `_scaled_mm` with rowwise scales."""
     a, sa, b, sb = _operands(m, k, n, (1, 0), (0, 1), fmt_b=E5M2 if m % 2 else E4M3, seed=m)
     bias = torch.randn(n) if with_bias else None
-    try:
-        out = scaled_mm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.bfloat16, bias, False)
-    except (RuntimeError, NotImplementedError) as err:  # a CPU build without FP8 matmul support
-        pytest.skip(f"CPU _scaled_mm unavailable: {err}")
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (m, n) and out.is_contiguous()
+
+    def planned(a, b):
+        call = plan_scaled_mm(GemmOperands(a, sa, (1, 0), b, sb, (0, 1), torch.bfloat16, bias, False),
+                              target_for((9, 0)))
+        assert isinstance(call, ScaledMMCall), call
+        return call.launch()
+
+    out = planned(a, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n) and out.is_contiguous()
     ref = emulated_tiled_gemm(a, sa, (1, 0), b, sb, (0, 1), torch.float32, bias)
     atol = 2**-8 * (bias.abs().max().item() if bias is not None else 0.0)
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=atol + 1e-6 * ref.abs().max().item())
     # row-major b / transposed a are copied into the layouts _scaled_mm needs
-    out2 = scaled_mm_tiled(a.t().contiguous().t(), sa, (1, 0), b.contiguous(), sb, (0, 1), torch.bfloat16, bias, False)
-    assert torch.equal(out2, out)
+    assert torch.equal(planned(a.t().contiguous().t(), b.contiguous()), out)
 
 
-def test_what_scaled_mm_refuses_is_emulated_with_one_warning():
-    """Blockwise scales on a device whose `_scaled_mm` refuses them (the CPU build does, as an sm89 GPU does): None
-    (the op then emulates) and one FP8EmulationWarning naming torch's reason; a float32 rowwise output likewise."""
+def test_what_the_gpu_refuses_is_emulated_with_one_warning():
+    """Blockwise scales on an sm89 GPU (cuBLASLt's block scale modes are sm90's), a float32 rowwise output on its
+    CUTLASS kernel: the op emulates them, with one FP8EmulationWarning per reason naming it."""
     a, sa, b, sb = _operands(128, 256, 128, (1, 128), (128, 128))
-    _refused.clear()
-    with pytest.warns(FP8EmulationWarning, match="refused blockwise"):
-        assert scaled_mm_tiled(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16, None, False) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once only
-        assert scaled_mm_tiled(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16, None, False) is None
-    a, sa, b, sb = _operands(32, 48, 16, (1, 0), (0, 1))
-    with pytest.warns(FP8EmulationWarning, match="bf16 / fp16 only"):
-        assert scaled_mm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.float32, None, False) is None
-    _refused.clear()
+    gemm._warned.clear()
+    with simulate_cuda((8, 9)):
+        with pytest.warns(FP8EmulationWarning, match="sm90 only"):
+            out = fp8_gemm_tiled(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16)
+        assert torch.equal(out, emulated_tiled_gemm(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once only
+            fp8_gemm_tiled(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16)
+        a, sa, b, sb = _operands(32, 48, 16, (1, 0), (0, 1))
+        with pytest.warns(FP8EmulationWarning, match="bf16 / fp16 only"):
+            fp8_gemm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.float32)
+    gemm._warned.clear()
 
 
 def test_tiled_gemm_is_a_custom_op_that_compiles_whole():

@@ -7,12 +7,14 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
   it shards), wraps the weight of every eligible FP8 layer in an `FP8AllGatherWeight`: the high-precision tensor
   (the fp32 master) behaving as itself everywhere (optimizer, checkpoints, state_dict), plus the two hooks.
 - `fsdp_pre_all_gather`, before each unshard: the scale every rank computes identically, `cast_scale` of the
-  layer's weight history (identical on all ranks: the engine all-reduces it at each step's close) and of the full
-  weight's amax (one 4-byte MAX all-reduce of the shards' amaxes per layer and forward; backward re-gathers reuse the
+  layer's weight history (identical on all ranks: the engine all-reduces it at each step's close; a layer trained
+  without an engine closes its pending step here first, as its forward would) and of the full weight's amax (one 4-byte MAX all-reduce of the shards' amaxes per layer and forward; backward re-gathers reuse the
   forward's, the weights cannot have changed in between). Then the shard is cast straight from its fp32 values
   (one rounding, the bytes a DDP run's cast of the whole weight produces) and handed to FSDP2 as uint8 (collectives
   do not take float8 dtypes: gloo rejects them).
-- `fsdp_post_all_gather` wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
+- `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
+  compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
+  before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
   FP8 layer feeds its data and scale to the forward and dgrad GEMMs without casting again, and every path that does
   not compute in FP8 with that cast (fp8_autocast(enabled=False), fp8_eval=False, a layer FP8LayerFallback moved to
   BF16, calibration, a recipe override) gets the exact high-precision weight through `_HighPrecisionGather`, one
@@ -36,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
+from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import cast_to_fp8
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.linear import FP8Layer
@@ -128,6 +131,9 @@ class FP8AllGatherWeight(torch.Tensor):
                 f"as {tuple(local.shape)} of {tuple(outer_size)}. Use fp8_all_gather=False for this model."
             )
         record = layer.training
+        autocast_state = current_state()
+        if not _in_backward() and layer.fp8_enabled and autocast_state.enabled and not autocast_state.calibrating:
+            layer.close_pending_step()  # its FP8 forward does this first: the scale must come from the closed history
         cast_key = CastKey.of(layer.recipe, record)
         if cast_key is None:
             # the layer's recipe became fine-grained after sharding (FP8LayerFallback's escalation): its forward
@@ -152,6 +158,10 @@ class FP8AllGatherWeight(torch.Tensor):
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
         """The unsharded weight: a PrecastFP8Weight over the gathered bytes (FSDP2 narrows the padding away)."""
         (data,) = all_gather_outputs
+        # the scale and amax were made on FSDP2's copy-in stream and are read here on the current one; FSDP2 drops the
+        # metadata when this returns, so the caching allocator could hand their memory to the next layer's copy-in
+        # before the reads below ran: tie them to this stream
+        keep_for_current_stream(metadata.scale, metadata.amax)
         if out is not None:  # FSDP2 re-gathered into the same buffers: only the cast's scale, amax and key can differ
             out.update(metadata.scale, metadata.amax, metadata.cast_key)
             out._source.shard = self  # the shard FSDP2 holds now (a load may have replaced the tensor object)
@@ -164,8 +174,7 @@ class FP8AllGatherWeight(torch.Tensor):
     def _full_amax(self, local: torch.Tensor, group) -> torch.Tensor:
         """max |W| over every rank's shard: one MAX all-reduce in a forward; a backward re-gather (weights unchanged
         since its forward) reuses it, which keeps every rank's collectives in the same order."""
-        in_backward = torch._C._current_graph_task_id() != -1
-        if in_backward and self._gathered_amax is not None:
+        if _in_backward() and self._gathered_amax is not None:
             return self._gathered_amax
         amax = tensor_amax(local).reshape(1)
         amax = torch.where(torch.isnan(amax), math.inf, amax)  # NaN can lose a MAX reduction (gloo drops it); inf wins
@@ -219,6 +228,19 @@ class _HighPrecisionGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def keep_for_current_stream(*tensors: torch.Tensor) -> None:
+    """Keep the memory of CUDA tensors allocated on another stream from being reused before the work queued on the
+    current stream (which reads them) has run: `record_stream`. CPU tensors have no streams."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+def _in_backward() -> bool:
+    """Whether a backward pass is running (FSDP2 re-gathers the weights for it)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _shard_group(mesh):

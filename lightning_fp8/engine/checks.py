@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
+from lightning_fp8.engine.distributed import local_shards, max_across_ranks
+from lightning_fp8.engine.host import to_host
 
 
 class LossRecord:
@@ -27,19 +28,19 @@ class LossRecord:
     def clear(self) -> None:
         self._losses.clear()
 
-    def value(self) -> Optional[torch.Tensor]:
+    def value(self) -> Optional[float]:
         """The iteration's loss (mean over its backwards) on the host, or None without a backward."""
         if not self._losses:
             return None
-        return torch.stack([loss.float().reshape(()) for loss in self._losses]).mean().cpu()
+        return to_host(torch.stack([loss.float().reshape(()) for loss in self._losses]).mean(), "loss")[0]
 
-    def is_spike(self, value: Optional[torch.Tensor]) -> bool:
+    def is_spike(self, value: Optional[float]) -> bool:
         factor = self.config.spike_factor
         if factor is None or value is None or len(self.window) < min(self.config.spike_warmup, self.window.maxlen):
             return False
         return float(value) > factor * (sum(self.window) / len(self.window))
 
-    def hold(self, value: Optional[torch.Tensor]) -> None:
+    def hold(self, value: Optional[float]) -> None:
         """The decided iteration's loss, to join the window if its update is kept (`accept` at the close)."""
         self._pending = float(value) if value is not None else None
 
@@ -63,9 +64,7 @@ def weights_finite(model: Optional[nn.Module]) -> bool:
     device = params[0].device
     norms = torch._foreach_norm(params)
     all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
-    flag = (~all_finite).float().reshape(1).cpu()  # one device-to-host transfer
-    all_reduce_max_([flag])
-    return flag.item() == 0.0
+    return max_across_ranks(to_host((~all_finite).float(), "weights finite")) == [0.0]
 
 
 __all__ = ["LossRecord", "weights_finite"]

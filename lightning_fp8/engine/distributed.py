@@ -24,6 +24,8 @@ from typing import Callable, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_fp8.engine.host import to_host
+
 #: how long `all_reduce_max_` waits for the backend's worker thread to release the reduced buffer
 RELEASE_TIMEOUT_S = 1.0
 _RELEASE_POLL_S = 5e-5
@@ -51,11 +53,24 @@ def all_reduce_max_(tensors: List[torch.Tensor]) -> None:
             _release_wait.give_up()
     else:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    on_host = flat
+    if flat.device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
+        on_host = torch.tensor(to_host(flat, "flags reduced across ranks"))  # NCCL reduced host flags on the GPU
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(flat[offset : offset + n].reshape(t.shape).to(device=t.device, dtype=t.dtype))
+        source = on_host if t.device.type == "cpu" else flat
+        t.copy_(source[offset : offset + n].reshape(t.shape).to(device=t.device, dtype=t.dtype))
         offset += n
+
+
+def max_across_ranks(values: List[float]) -> List[float]:
+    """The element-wise MAX of host values over every rank (one collective; the values themselves on one rank)."""
+    if world_size() == 1:
+        return list(values)
+    flags = torch.tensor(values, dtype=torch.float32)
+    all_reduce_max_([flags])
+    return flags.tolist()  # a CPU tensor (NCCL's result came back through to_host): no device to wait for
 
 
 def local_shards(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:

@@ -29,6 +29,7 @@ stand alone live in gradients.py, checks.py, rollback.py and snapshot.py.)
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ from torch import nn
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine import clipping, rollback
 from lightning_fp8.engine.checks import LossRecord, weights_finite
+from lightning_fp8.engine.host import to_host
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine.distributed import max_across_ranks
 from lightning_fp8.engine.gradients import GradientUnscaler, iteration_params
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, SnapshotKeeper
@@ -228,7 +230,7 @@ class FP8TrainingEngine:
         self.unscale_(optimizer)
         grads = [p.grad for p in (optimizer_params(optimizer) if parameters is None else parameters) if p.grad is not None]
         norm = clipping.clip_grad_norm_(grads, max_norm)
-        if not torch.isfinite(norm):
+        if not math.isfinite(to_host(norm, "gradient norm")[0]):
             self._grads_nonfinite = True
         return norm
 
@@ -270,13 +272,11 @@ class FP8TrainingEngine:
         self.unscale_()
         overflow_layers = self._new_overflows()
         loss_value = self._loss.value()
-        loss_nonfinite = loss_value is not None and not torch.isfinite(loss_value).item()
+        loss_nonfinite = loss_value is not None and not math.isfinite(loss_value)
         spike = self._loss.is_spike(loss_value) if not loss_nonfinite else False
-        flags = torch.tensor(
-            [float(self._grads_nonfinite), float(loss_nonfinite), float(bool(overflow_layers)), float(spike)]
-        )
-        all_reduce_max_([flags])  # every rank makes the same decision
-        grads_bad, loss_bad, amax_bad, spike = (bool(f) for f in flags.tolist())
+        flags = [float(self._grads_nonfinite), float(loss_nonfinite), float(bool(overflow_layers)), float(spike)]
+        # every rank makes the same decision
+        grads_bad, loss_bad, amax_bad, spike = (bool(f) for f in max_across_ranks(flags))
 
         skip_reason = None
         if loss_bad:

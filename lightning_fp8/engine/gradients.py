@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from lightning_fp8.engine.host import to_host
 from lightning_fp8.engine.loss_scaler import LossScaler
 
 
@@ -46,7 +47,7 @@ class GradientUnscaler:
             self._unscaled[id(p)] = (weakref.ref(p), weakref.ref(grad))
             todo.append(grad)
         if todo:
-            self._found_inf |= bool(self.scaler.unscale_and_check(todo).item())
+            self._found_inf |= to_host(self.scaler.unscale_and_check(todo), "non-finite gradients")[0] > 0
         return self._found_inf
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.engine.host import to_host
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.numerics.scaling import advance_history, step_flags
 from lightning_fp8.recipe import ROLES
@@ -51,7 +52,7 @@ class ModelScales:
             return []
         histories = self._histories()
         _, overflow, _ = step_flags(torch.stack(histories), **self._recipe_constants(histories[0].device))
-        flags = overflow.reshape(-1).cpu().tolist()
+        flags = to_host(overflow, "FP8 overflows")
         return [key for key, flag in zip(self.keys, flags) if flag]
 
     @torch.no_grad()

@@ -1,35 +1,39 @@
-"""FP8 GEMM backends: `torch._scaled_mm` where the hardware has FP8 tensor cores, emulation elsewhere.
+"""FP8 GEMM backends: torch's scaled GEMM where the GPU has FP8 tensor cores, emulation elsewhere.
+
+Which GEMM runs (`run_gemm`, shared by the per-tensor op here and the tiled op in tiled_gemm.py): on a device with FP8
+tensor cores (CUDA sm89+), the call `scaled_mm.plan_scaled_mm` prepares for that architecture (layouts, padding,
+scale layouts, bias; lightning_fp8/modules/scaled_mm.py has the rules); where the architecture, the torch version or
+the request rules that out, the emulation, with a one-time `FP8EmulationWarning` naming the reason, attributed to
+the user's line that ran the layer.
 
 Emulation is not a fake: its operands are real FP8 tensors. Every E4M3/E5M2 value is exact in float32 and in BF16,
 so multiplying their images with float32 accumulation gives the FP8 GEMM's result up to summation order; the two
-dequant scales are applied to the accumulator and the output is rounded once, as `_scaled_mm` does. On CPU a
-bf16-output GEMM with power-of-two scales runs as a BF16 GEMM (exact for these operands, see `_bf16_gemm`), the
-rest in float32.
+dequant scales are applied to the accumulator and the output is rounded once, as the scaled GEMM does. On CPU a
+bf16-output GEMM with power-of-two scales runs as a BF16 GEMM where the CPU has BF16 hardware (exact for these
+operands, see `_bf16_gemm`), the rest in float32.
 
 The GEMM is registered as the custom op `lightning_fp8::fp8_gemm` (with a fake implementation), so
 `torch.compile` traces it as one opaque node on every backend instead of breaking the graph on the backend
 choice, the once-only warning or the layout fix-ups.
 
-`torch._scaled_mm` contract (torch 2.4 .. 2.13, checked against `meta_scaled_mm` and the CUDA checks):
-  - mat1 (M, K) row-major, mat2 (K, N) column-major; K and N multiples of 16 (M free);
-  - both operands float8 (e4m3fn / e5m2), never both e5m2 ("Multiplication of two Float8_e5m2 matrices is not
-    supported");
-  - tensor-wise scales: float32, one element each, the *dequant* scales (x ~= x_fp8 * scale);
-  - out_dtype bfloat16 / float16 / float32; bias (N,) only for a bf16/fp16 output and of the output's dtype
-    (no bias with a float32 output);
-  - use_fast_accum=True trades accumulation precision for speed: fine for the forward GEMM, not for gradients.
-This module pads K and N with zeros (exact: padded products are zero), fixes layouts with one copy where needed,
-adds a float32-output bias after the GEMM, and emulates the e5m2 x e5m2 product.
+Under `kernels.device.simulate_cuda` (tests), CPU tensors take the CUDA branch: the call is planned for the simulated
+architecture and run through torch's CPU scaled GEMM where that exists (tensorwise, rowwise), else emulated; every
+requested GEMM can be recorded (`record_gemms`), planned for any architecture and replayed on meta tensors
+(tests/test_cuda_contract.py).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import sys
 import warnings
-from typing import Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+
+from lightning_fp8.kernels.device import DeviceProfile, profile_of
+from lightning_fp8.modules.scaled_mm import GemmOperands, Refusal, ScaledMMCall, ScaledMMTarget, plan_scaled_mm
 
 Tensor = torch.Tensor
 
@@ -38,45 +42,141 @@ class FP8EmulationWarning(UserWarning):
     """FP8 GEMMs are emulated (no FP8 tensor cores here): numerics are FP8, speed is not."""
 
 
-_warned_devices: set = set()
-_warned_e5m2 = False
-
-#: out_dtypes `_scaled_mm` produces directly
-_SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: keys of the emulation warnings given (each once per process)
+_warned: set = set()
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
-    """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or newer)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or newer), or a simulated one."""
+    return profile_of(device).fp8_tensor_cores
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
     """Pick "scaled_mm" or "emulated" for `device`; warn once per device kind when emulating."""
+    profile = profile_of(device)
     if requested == "scaled_mm":
-        if not scaled_mm_supported(device):
+        if not profile.fp8_tensor_cores:
             raise RuntimeError(
                 f"FP8Recipe(backend='scaled_mm') needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper), "
-                f"but the tensors are on {device}; use backend='auto' or 'emulated'."
+                f"but the tensors are on {device} ({profile.name}); use backend='auto' or 'emulated'."
             )
         return "scaled_mm"
     if requested == "emulated":
         return "emulated"
-    if scaled_mm_supported(device):
+    if profile.fp8_tensor_cores:
         return "scaled_mm"
-    key = device.type if device.type != "cuda" else f"cuda:{torch.cuda.get_device_capability(device)}"
-    if key not in _warned_devices:
-        _warned_devices.add(key)
-        warnings.warn(
-            f"lightning_fp8: no FP8 tensor cores on {device} (they need CUDA compute capability >= 8.9); "
-            "FP8 GEMMs are emulated: operands are real FP8 casts, products run in float32. Numerics match FP8, "
-            "speed does not.",
-            FP8EmulationWarning,
-            stacklevel=3,
-        )
+    warn_emulation(
+        f"no FP8 tensor cores on {profile.name} (they need CUDA compute capability >= 8.9); "
+        "FP8 GEMMs are emulated: operands are real FP8 casts, products run in float32. Numerics match FP8, "
+        "speed does not.",
+        key=("device", profile.name),
+    )
     return "emulated"
+
+
+def warn_emulation(message: str, key) -> None:
+    """One FP8EmulationWarning per `key` for the process, attributed to the first frame outside this library, torch
+    and the training frameworks: the user's line that ran the layer (or called backward / fit)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"lightning_fp8: {message}", FP8EmulationWarning, stacklevel=_user_stacklevel())
+
+
+#: packages whose frames a warning skips to reach the user's code
+_LIBRARY_PACKAGES = ("lightning_fp8", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "accelerate",
+                     "transformers", "peft", "contextlib", "functools")
+
+
+def _user_stacklevel() -> int:
+    frame, level = sys._getframe(2), 2  # 1: warn_emulation's caller's frame is level 2 for warnings.warn
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _LIBRARY_PACKAGES:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+_recorders: List[List[GemmOperands]] = []
+
+
+@contextlib.contextmanager
+def record_gemms() -> Iterator[List[GemmOperands]]:
+    """Every FP8 GEMM requested inside the block (per-tensor and tiled; real, fake or meta tensors), as the layer
+    passed it: what the CUDA contract suite plans and checks per architecture (tests/test_cuda_contract.py)."""
+    records: List[GemmOperands] = []
+    _recorders.append(records)
+    try:
+        yield records
+    finally:
+        _recorders.remove(records)
+
+
+def record(operands: GemmOperands) -> None:
+    """Hand a GEMM request to the active `record_gemms` blocks (none: nothing happens)."""
+    for records in _recorders:
+        records.append(operands)
+
+
+#: scaled-GEMM signatures torch or the GPU library refused at run time (then emulated), with the reason
+_runtime_refusals: dict = {}
+
+
+def run_gemm(operands: GemmOperands, backend: str, emulate: Callable[[GemmOperands], Tensor]) -> Tensor:
+    """The FP8 GEMM `operands` asks for, on the scaled GEMM where the device takes it, else `emulate(operands)`."""
+    profile = profile_of(operands.a.device)
+    plan = None
+    if resolve_backend(backend, operands.a.device) == "scaled_mm":
+        plan = plan_scaled_mm(operands, ScaledMMTarget.of(profile))
+    # the ops inside must run in the dtypes written here, whatever autocast region the op is called from
+    with torch.autocast(operands.a.device.type, enabled=False):
+        if isinstance(plan, Refusal):
+            if not plan.quiet:
+                warn_emulation(f"{plan.reason}; this GEMM is emulated (exact FP8 values, float32 accumulation): "
+                               "numerics are FP8, speed is not.", key=("plan", profile.name, plan.reason))
+        elif isinstance(plan, ScaledMMCall) and (not profile.simulated or plan.runs_on_cpu):
+            out = _launch(plan, operands, profile)
+            if out is not None:
+                return out
+        return emulate(operands)
+
+
+def _launch(plan: ScaledMMCall, operands: GemmOperands, profile: DeviceProfile) -> Optional[Tensor]:
+    """Run a planned call; None where torch or the GPU library refuses this exact signature (remembered, warned once,
+    then emulated). Failures of the device itself (out of memory, a CUDA error) propagate: they say nothing about
+    whether the call is supported, and a transient one must not turn a GEMM kind to emulation for the whole run."""
+    key = _signature(plan, operands)
+    if key in _runtime_refusals:
+        return None
+    try:
+        return plan.launch()
+    except _DEVICE_FAILURES:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        if _is_device_failure(error):
+            raise
+        reason = f"torch refused this {plan.kind} scaled GEMM on {profile.name}: {str(error).splitlines()[0]}"
+        _runtime_refusals[key] = reason
+        warn_emulation(f"{reason}; such GEMMs are emulated (exact FP8 values, float32 accumulation).", key=key)
+        return None
+
+
+_DEVICE_FAILURES = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t is not None)
+
+
+def _is_device_failure(error: BaseException) -> bool:
+    text = str(error)
+    return "CUDA error" in text or "CUBLAS_STATUS_EXECUTION_FAILED" in text or "out of memory" in text
+
+
+def _signature(plan: ScaledMMCall, operands: GemmOperands) -> Tuple:
+    def spec(t: Optional[Tensor]):
+        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    return (plan.target, plan.api, plan.kind, spec(plan.mat_a), spec(plan.mat_b), spec(plan.scale_a),
+            spec(plan.scale_b), spec(plan.bias), plan.out_dtype, plan.use_fast_accum, operands.out_dtype,
+            operands.bias is not None)
 
 
 def fp8_gemm(
@@ -93,6 +193,8 @@ def fp8_gemm(
 
     Scales are the dequant scales (1 / the quantization scale), float32 scalars. The op has no autograd formula:
     FP8Linear's autograd function computes every gradient (the bias gradient included) itself."""
+    if _recorders:
+        record(GemmOperands(a, a_scale_inv, None, b, b_scale_inv, None, out_dtype, bias, use_fast_accum))
     return torch.ops.lightning_fp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum, backend)
 
 
@@ -107,12 +209,13 @@ def _fp8_gemm_op(
     use_fast_accum: bool,
     backend: str,
 ) -> Tensor:
-    resolved = resolve_backend(backend, a.device)
-    # the ops inside must run in the dtypes written here, whatever autocast region the op is called from
-    with torch.autocast(a.device.type, enabled=False):
-        if resolved == "scaled_mm" and _scaled_mm_applies(a, b):
-            return _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
-        return emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    operands = GemmOperands(a, a_scale_inv, None, b, b_scale_inv, None, out_dtype, bias, use_fast_accum)
+    return run_gemm(operands, backend, _emulate_tensorwise)
+
+
+def _emulate_tensorwise(operands: GemmOperands) -> Tensor:
+    return emulated_gemm(operands.a, operands.a_scale_inv, operands.b, operands.b_scale_inv, operands.out_dtype,
+                         operands.bias)
 
 
 @_fp8_gemm_op.register_fake
@@ -128,7 +231,7 @@ def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tenso
 
     Two ways, the same result: a BF16 GEMM where that is faithful (CPU, a bf16 output, power-of-two scales; see
     `_bf16_gemm`), else a float32 GEMM."""
-    if (out_dtype == torch.bfloat16 and a.device.type == "cpu" and cpu_has_native_bf16()
+    if (out_dtype == torch.bfloat16 and profile_of(a.device).host_checks_allowed and cpu_has_native_bf16()
             and _is_power_of_2(a_scale_inv) and _is_power_of_2(b_scale_inv)):
         return _bf16_gemm(a, a_scale_inv, b, b_scale_inv, bias)
     acc = torch.mm(_float32_image(a), _float32_image(b))
@@ -218,91 +321,5 @@ def fp8_bf16_image(x: Tensor) -> Tensor:
     return _BF16_OF_CODE[x.dtype].to(x.device).index_select(0, codes.to(torch.int32)).reshape(x.shape)
 
 
-def _scaled_mm_applies(a: Tensor, b: Tensor) -> bool:
-    """Cases `_scaled_mm` cannot take (emulated instead): empty operands, e5m2 x e5m2."""
-    global _warned_e5m2
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        if not _warned_e5m2:
-            _warned_e5m2 = True
-            warnings.warn(
-                "lightning_fp8: torch._scaled_mm cannot multiply two e5m2 matrices (a cuBLASLt restriction); this "
-                "GEMM (format='e5m2' recipe, gradient GEMM) is emulated and runs at float32 speed.",
-                FP8EmulationWarning,
-                stacklevel=3,
-            )
-        return False
-    return True
-
-
-def _is_row_major(t: Tensor) -> bool:
-    # _scaled_mm's own test: stride[0] > stride[1] and stride[1] == 1
-    return t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]) and t.stride(0) > t.stride(1)
-
-
-def _is_col_major(t: Tensor) -> bool:
-    # stride[0] == 1 and stride[1] > 1
-    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0]) and t.stride(1) > 1
-
-
-def _row_major(t: Tensor) -> Tensor:
-    if _is_row_major(t):
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
-
-
-def _col_major(t: Tensor) -> Tensor:
-    if _is_col_major(t):
-        return t
-    return _row_major(t.t()).t()
-
-
-def _pad_cols(t: Tensor, pad: int) -> Tensor:
-    """Zero-pad the last dimension of a 2-D FP8 tensor (byte 0 is +0.0 in both formats); row-major result."""
-    return F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-
-
-def _scaled_mm_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum) -> Tensor:
-    m, k = a.shape
-    n = b.shape[1]
-    pad_k = (-k) % 16
-    pad_n = (-n) % 16
-    if pad_k:
-        a = _pad_cols(a, pad_k)  # (M, K+pad) row-major
-    a = _row_major(a)
-    if pad_k or pad_n:
-        bt = b.t()  # (N, K)
-        if pad_k:
-            bt = _pad_cols(bt, pad_k)
-        if pad_n:
-            bt = F.pad(bt.view(torch.uint8), (0, 0, 0, pad_n)).view(b.dtype)
-        b = _row_major(bt).t()  # (K+pad_k, N+pad_n) column-major
-    b = _col_major(b)
-    mm_dtype = out_dtype if out_dtype in _SCALED_MM_OUT_DTYPES else torch.float32
-    bias_arg = None
-    if bias is not None and mm_dtype != torch.float32:
-        bias_arg = bias.to(mm_dtype)
-        if pad_n:
-            bias_arg = F.pad(bias_arg, (0, pad_n))
-    out = torch._scaled_mm(
-        a,
-        b,
-        scale_a=a_scale_inv.to(torch.float32).reshape(()),
-        scale_b=b_scale_inv.to(torch.float32).reshape(()),
-        bias=bias_arg,
-        out_dtype=mm_dtype,
-        use_fast_accum=use_fast_accum,
-    )
-    if pad_n:
-        out = out[:, :n]
-    if bias is not None and bias_arg is None:
-        out = out + bias.to(mm_dtype)
-    if out.dtype != out_dtype or pad_n:
-        out = out.to(out_dtype).contiguous()
-    return out
-
-
-__all__ = ["fp8_gemm", "emulated_gemm", "cpu_has_native_bf16", "fp8_bf16_image", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]
+__all__ = ["fp8_gemm", "emulated_gemm", "run_gemm", "record_gemms", "record", "warn_emulation", "cpu_has_native_bf16",
+           "fp8_bf16_image", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]

@@ -27,6 +27,8 @@ from lightning_fp8.recipe import FP8Recipe
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     device_type = x.device.type
+    if device_type == "meta":  # shape-only runs (the CUDA contract suite): meta has no autocast state
+        return x.dtype
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
@@ -112,6 +114,15 @@ class FP8Layer(nn.Module):
             meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), taken
         )
 
+    def close_pending_step(self) -> None:
+        """What a training forward does first when no engine closes the steps: close the step the previous
+        iteration recorded (a no-op when nothing was recorded since the last close, in evaluation, and in an
+        activation-checkpointing recompute, which must cast as its original forward did). Whatever casts this
+        layer's weight before its forward (FSDP2's FP8 all-gather) calls it first, or it would cast with the
+        history of the step before."""
+        if self.training and self.autoupdate_scales and not _recomputing():
+            self.update_scales()
+
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast_state = current_state()
@@ -129,8 +140,7 @@ class FP8Layer(nn.Module):
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
         training = self.training
-        if training and self.autoupdate_scales and not _recomputing():
-            self.update_scales()  # a no-op when nothing was recorded since the last close
+        self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
         return self.fp8_forward(x, weight, recipe, training, observer)
 

@@ -1,0 +1,430 @@
+"""How an FP8 GEMM is handed to torch's scaled GEMM on a CUDA GPU: the plan of one call, per architecture.
+
+`plan_scaled_mm(operands, target)` turns a GEMM request (`GemmOperands`: FP8 operands in any layout, dequant scales
+per tensor, per row / column or per 128-block, output dtype, bias) into either a `ScaledMMCall`, every argument in the
+shape, layout and dtype that the target's torch and GPU libraries accept, or a `Refusal` that says why the target
+cannot take it (the caller then emulates, and says so once). The plan is plain torch code (pads, copies, views), so
+it runs on CUDA, CPU and meta tensors alike: that is how the CUDA contract suite checks it without a GPU
+(tests/test_cuda_contract.py replays every call on meta tensors against torch's own checks, and `check_call` checks
+what meta tensors cannot show).
+
+The rules, per kind of scaling (torch 2.11 - 2.13, cuBLASLt >= 12.9, as their scaled-GEMM sources read;
+docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
+
+  every kind   FP8 tensor cores: sm89 and newer. mat_a (M, K) row-major, mat_b (K, N) column-major, K and N multiples
+               of 16 (zero-padded here: padded products are zero), M free; never e5m2 x e5m2. Operands exactly
+               packed and 16-byte aligned (torch checks neither; sm89's rowwise kernel reads every operand as
+               packed whatever its strides). A bias only with a bf16 / fp16 output and of that dtype; a float32
+               output gets its bias added here, in float32, before the one rounding.
+  tensorwise   `torch._scaled_mm`, float32 0-d dequant scales; fast accumulation allowed.
+  rowwise      `torch._scaled_mm`, scale_a (M, 1) and scale_b (1, N), float32, contiguous. sm90 runs cuBLASLt (any
+               output dtype). sm89, sm100 and sm120 run CUTLASS kernels which, up to torch 2.13, write bf16 and fp16
+               only (float32 output: refused), write bf16 bits into an fp16 output that has no bias (so an fp16
+               output always gets a bias, zeros if need be) and take e5m2 only as mat_a.
+  blockwise    DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 through `torch.nn.functional.scaled_mm` (v2): sm90
+               only, both operands e4m3, no fast accumulation. cuBLASLt reads a 128x128 scale tensor with its K-block
+               dimension padded to a multiple of 4 (L4 = round_up(K/128, 4): shape (L4, N/128), strides (1, L4)); the
+               v1 `torch._scaled_mm` accepts only the unpadded layout, which gives silent wrong answers where
+               (K/128) % 4 != 0, so blockwise never goes through v1. 1x128 scales: mat_a's (M, K/128) with strides
+               (1, M), mat_b's (N, K/128) with strides (1, N). M, K and N multiples of 128 (other shapes are refused).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, replace
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from lightning_fp8.kernels.device import DeviceProfile
+from lightning_fp8.numerics.tiles import tile_extent
+
+Tensor = torch.Tensor
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+TENSORWISE = "tensorwise"
+ROWWISE = "rowwise"
+BLOCK_1x128_128x128 = "blockwise 1x128 x 128x128"
+BLOCK_1x128_1x128 = "blockwise 1x128 x 1x128"
+BLOCKWISE = (BLOCK_1x128_128x128, BLOCK_1x128_1x128)
+
+V1 = "torch._scaled_mm"
+V2 = "torch.nn.functional.scaled_mm"
+
+#: out_dtypes a scaled GEMM writes directly
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- what the target accepts ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArchRules:
+    """What torch's scaled GEMM takes on one GPU architecture (module docstring)."""
+
+    kinds: Tuple[str, ...]
+    #: "cublaslt" (sm90 with cuBLASLt >= 12.9: any output dtype) or "cutlass" (bf16 / fp16 output up to torch 2.13,
+    #: e5m2 only as mat_a, an fp16 output needs a bias)
+    rowwise_backend: str
+    #: the rowwise kernel reads operands as packed whatever their strides (sm89's CUTLASS kernel)
+    rowwise_ignores_strides: bool = False
+
+
+#: per compute-capability major version (sm89 is the only FP8 architecture of major 8)
+ARCH_RULES: Dict[int, ArchRules] = {
+    8: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass", rowwise_ignores_strides=True),
+    9: ArchRules(kinds=(TENSORWISE, ROWWISE) + BLOCKWISE, rowwise_backend="cublaslt"),
+    10: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass"),
+    12: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass"),
+}
+
+
+def _version(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    match = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class ScaledMMTarget:
+    """One GPU architecture with one torch build: what a scaled-GEMM call may be there."""
+
+    capability: Tuple[int, int]
+    torch_version: Tuple[int, int]
+    cuda_version: Tuple[int, int]  # the CUDA (and cuBLASLt) torch was built with
+    has_v2: bool  # torch.nn.functional.scaled_mm with ScalingType (torch >= 2.10)
+
+    @staticmethod
+    def of(profile: DeviceProfile) -> "ScaledMMTarget":
+        """The target of a CUDA device profile with the running torch (cached: one per device). A simulated GPU (or
+        a CPU build of torch) is taken to have the CUDA 13 libraries of the current CUDA wheels."""
+        return _target_of(profile)
+
+
+    @property
+    def name(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+    @property
+    def rules(self) -> Optional[ArchRules]:
+        """The architecture's rules; None below sm89 (no FP8 tensor cores)."""
+        if self.capability < (8, 9):
+            return None
+        return ARCH_RULES.get(self.capability[0], ARCH_RULES[12] if self.capability[0] > 12 else None)
+
+    @property
+    def rowwise_backend(self) -> str:
+        rules = self.rules
+        if rules is None:
+            return "none"
+        if rules.rowwise_backend == "cublaslt" and self.cuda_version < (12, 9):
+            return "cutlass"  # cuBLASLt has rowwise scaling from 12.9; torch runs its CUTLASS kernel before that
+        return rules.rowwise_backend
+
+    @property
+    def cutlass_rowwise_writes_float32(self) -> bool:
+        return self.torch_version > (2, 13)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_of(profile: DeviceProfile) -> ScaledMMTarget:
+    assert profile.capability is not None, "a scaled-GEMM target needs a CUDA compute capability"
+    return ScaledMMTarget(
+        capability=profile.capability,
+        torch_version=_version(torch.__version__) or (0, 0),
+        cuda_version=_version(torch.version.cuda) or (13, 0),
+        has_v2=hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"),
+    )
+
+
+# -- the request --------------------------------------------------------------------------------------------------
+class GemmOperands(NamedTuple):
+    """One FP8 GEMM request: out = dequant(a) @ dequant(b) + bias, rounded once to out_dtype.
+
+    a (M, K) and b (K, N) are FP8 in any layout; a_scale_inv / b_scale_inv their dequant scales: float32 0-d with
+    tile None (one scale for the tensor), or per tile in grid layout (`numerics.tiles.grid_shape`) with a_tile =
+    (rows, K block), b_tile = (K block, cols)."""
+
+    a: Tensor
+    a_scale_inv: Tensor
+    a_tile: Optional[Tuple[int, int]]
+    b: Tensor
+    b_scale_inv: Tensor
+    b_tile: Optional[Tuple[int, int]]
+    out_dtype: torch.dtype
+    bias: Optional[Tensor]
+    use_fast_accum: bool
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        """(M, K, N)"""
+        return self.a.shape[0], self.a.shape[1], self.b.shape[1]
+
+    def kind(self) -> Optional[str]:
+        """The scaling kind of this request: tensorwise, rowwise, one of the blockwise kinds, or None (a tiling no
+        scaled GEMM takes)."""
+        if self.a_tile is None and self.b_tile is None:
+            return TENSORWISE
+        if self.a_tile is None or self.b_tile is None:
+            return None
+        m, k, n = self.shape
+        ar, ak = tile_extent(self.a_tile, (m, k))
+        bk, bc = tile_extent(self.b_tile, (k, n))
+        if ar == 1 and ak == k and bk == k and bc == 1:
+            return ROWWISE
+        if ar == 1 and ak == 128 and bk == 128:
+            return {128: BLOCK_1x128_128x128, 1: BLOCK_1x128_1x128}.get(bc)
+        return None
+
+
+class Refusal(NamedTuple):
+    """Why a target cannot run a request (the caller emulates it; `quiet`: nothing worth a warning, e.g. no work)."""
+
+    reason: str
+    quiet: bool = False
+
+
+class _Finish(NamedTuple):
+    """What happens to the scaled GEMM's output: the padded columns dropped, a float32 output's bias added, the
+    output dtype."""
+
+    n: int
+    bias_after: Optional[Tensor]
+    out_dtype: torch.dtype
+
+
+@dataclass
+class ScaledMMCall:
+    """One call of torch's scaled GEMM with every argument prepared, and what is done to its output."""
+
+    api: str  # V1 | V2
+    kind: str
+    mat_a: Tensor
+    mat_b: Tensor
+    scale_a: Tensor
+    scale_b: Tensor
+    bias: Optional[Tensor]
+    out_dtype: torch.dtype
+    use_fast_accum: bool
+    finish: _Finish
+    target: ScaledMMTarget
+
+    def launch(self) -> Tensor:
+        """Run the call (on the tensors' device) and finish its output."""
+        if self.api == V1:
+            out = torch._scaled_mm(self.mat_a, self.mat_b, scale_a=self.scale_a, scale_b=self.scale_b, bias=self.bias,
+                                   out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum)
+        else:
+            recipe_a, recipe_b = _V2_RECIPES[self.kind]
+            out = F.scaled_mm(self.mat_a, self.mat_b, self.scale_a, getattr(F.ScalingType, recipe_a), self.scale_b,
+                              getattr(F.ScalingType, recipe_b), bias=self.bias, output_dtype=self.out_dtype,
+                              use_fast_accum=self.use_fast_accum)
+        return self._finished(out)
+
+    def _finished(self, out: Tensor) -> Tensor:
+        n, bias_after, out_dtype = self.finish
+        sliced = out.shape[1] != n
+        if sliced:
+            out = out[:, :n]
+        if bias_after is not None:
+            out = out.to(torch.float32) + bias_after.to(torch.float32)
+        if out.dtype != out_dtype or sliced:
+            out = out.to(out_dtype).contiguous()
+        return out
+
+    def on_meta(self) -> "ScaledMMCall":
+        """The same call on meta tensors of the same shapes, strides and dtypes: launching it runs torch's own
+        device-independent checks of the call (as for CUDA), nothing else."""
+        def meta(t: Optional[Tensor]) -> Optional[Tensor]:
+            if t is None:
+                return None
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+        return replace(self, mat_a=meta(self.mat_a), mat_b=meta(self.mat_b), scale_a=meta(self.scale_a),
+                       scale_b=meta(self.scale_b), bias=meta(self.bias),
+                       finish=self.finish._replace(bias_after=meta(self.finish.bias_after)))
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether torch's CPU build runs this call (torch 2.13: tensorwise and rowwise, v1; v2 from 2.13)."""
+        return self.kind in (TENSORWISE, ROWWISE) and (self.api == V1 or self.target.torch_version >= (2, 13))
+
+
+_V2_RECIPES = {
+    BLOCK_1x128_128x128: ("BlockWise1x128", "BlockWise128x128"),
+    BLOCK_1x128_1x128: ("BlockWise1x128", "BlockWise1x128"),
+}
+
+
+# -- planning -----------------------------------------------------------------------------------------------------
+def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+    """The call that computes `operands` on `target`, or why there is none (module docstring)."""
+    a, b = operands.a, operands.b
+    m, k, n = operands.shape
+    if a.numel() == 0 or b.numel() == 0:
+        return Refusal("an empty operand", quiet=True)
+    rules = target.rules
+    if rules is None:
+        return Refusal(f"{target.name} has no FP8 tensor cores (compute capability 8.9 or newer)")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        return Refusal("torch's scaled GEMM does not multiply two e5m2 operands (format='e5m2' recipes)")
+    kind = operands.kind()
+    if kind is None:
+        return Refusal(f"no scaled GEMM takes the tiling {operands.a_tile} x {operands.b_tile}")
+    if kind not in rules.kinds:
+        return Refusal(f"{kind} scaling runs on sm90 only (cuBLASLt's block scale modes); this GPU is {target.name}")
+    if kind in BLOCKWISE:
+        return _plan_blockwise(operands, kind, target)
+    return _plan_tensorwise_or_rowwise(operands, kind, target)
+
+
+def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+    a, b, out_dtype, bias = operands.a, operands.b, operands.out_dtype, operands.bias
+    m, k, n = operands.shape
+    cutlass = kind == ROWWISE and target.rowwise_backend == "cutlass"
+    mm_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
+    if cutlass:
+        if b.dtype == E5M2:
+            return Refusal(f"rowwise scaling on {target.name} (CUTLASS) takes e5m2 only as the first operand")
+        if mm_dtype == torch.float32 and not target.cutlass_rowwise_writes_float32:
+            return Refusal(f"rowwise scaling on {target.name} (CUTLASS) writes bf16 / fp16 only up to torch 2.13; "
+                           "this GEMM's output is float32 (train under BF16 autocast, or use per-tensor scaling)")
+    k16, n16 = _round_up(k, 16), _round_up(n, 16)
+    mat_a = _packed(_padded(a, m, k16))
+    mat_b = _packed(_padded(b.t(), n16, k16)).t()
+    if kind == TENSORWISE:
+        scale_a = operands.a_scale_inv.to(torch.float32).reshape(())
+        scale_b = operands.b_scale_inv.to(torch.float32).reshape(())
+    else:
+        scale_a = operands.a_scale_inv.to(torch.float32).reshape(m, 1).contiguous()
+        scale_b = operands.b_scale_inv.to(torch.float32).reshape(1, n)
+        if n16 != n:
+            scale_b = F.pad(scale_b, (0, n16 - n), value=1.0)
+        scale_b = scale_b.contiguous()
+    bias_arg, bias_after = None, None
+    if bias is not None:
+        if mm_dtype == torch.float32:
+            bias_after = bias
+        else:
+            bias_arg = _padded_vector(bias.to(mm_dtype), n16)
+    elif cutlass and mm_dtype == torch.float16:
+        bias_arg = torch.zeros(n16, dtype=torch.float16, device=a.device)  # the fp16 kernel is the one with a bias
+    fast_accum = operands.use_fast_accum
+    return ScaledMMCall(V1, kind, mat_a, mat_b, scale_a, scale_b, bias_arg, mm_dtype, fast_accum,
+                        _Finish(n, bias_after, out_dtype), target)
+
+
+def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+    a, b = operands.a, operands.b
+    m, k, n = operands.shape
+    if not target.has_v2:
+        return Refusal(f"torch {target.torch_version[0]}.{target.torch_version[1]} has no "
+                       "torch.nn.functional.scaled_mm; its torch._scaled_mm mis-reads 128x128 scales where "
+                       "(K/128) % 4 != 0, so blockwise GEMMs need torch >= 2.10")
+    if target.cuda_version < (12, 9):
+        return Refusal("blockwise scaling needs cuBLASLt 12.9 or newer (a torch built with CUDA >= 12.9)")
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        return Refusal("blockwise scaling takes e4m3 operands only; this recipe casts gradients to e5m2 "
+                       "(use format='e4m3' with blockwise scaling)")
+    if m % 128 or k % 128 or n % 128:
+        return Refusal(f"blockwise scaling needs M, K and N multiples of 128; this GEMM is {m} x {k} x {n} "
+                       "(M is the token count in forward and dgrad, the contraction in wgrad)")
+    mat_a = _packed(a)
+    mat_b = _packed(b.t()).t()
+    kb = k // 128
+    scale_a = operands.a_scale_inv.to(torch.float32).t().contiguous().t()  # (M, K/128), strides (1, M)
+    if kind == BLOCK_1x128_128x128:
+        # (K/128, N/128) scales in a (L4, N/128) buffer with strides (1, L4): the K-block dimension padded to 4
+        l4 = _round_up(kb, 4)
+        buffer = torch.ones((n // 128, l4), dtype=torch.float32, device=a.device)
+        buffer[:, :kb].copy_(operands.b_scale_inv.to(torch.float32).t())
+        scale_b = buffer.t()
+    else:
+        scale_b = operands.b_scale_inv.to(torch.float32).contiguous().t()  # (N, K/128), strides (1, N)
+    bias = operands.bias
+    # a bias goes in after the GEMM, in float32 before the one rounding (cuBLASLt refuses a bias with a float32
+    # output, and whether it takes one with block scales at all is not documented)
+    mm_dtype = torch.float32 if bias is not None or operands.out_dtype not in _OUT_DTYPES else operands.out_dtype
+    return ScaledMMCall(V2, kind, mat_a, mat_b, scale_a, scale_b, None, mm_dtype, False,
+                        _Finish(n, bias, operands.out_dtype), target)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
+    """A 2-D FP8 tensor zero-padded to (rows, cols) (byte 0 is +0.0 in both formats), row-major; `t` itself when
+    nothing is padded."""
+    pad_r, pad_c = rows - t.shape[0], cols - t.shape[1]
+    if not (pad_r or pad_c):
+        return t
+    return F.pad(t.contiguous().view(torch.uint8), (0, pad_c, 0, pad_r)).view(t.dtype)
+
+
+def _packed(t: Tensor) -> Tensor:
+    """`t` if exactly packed row-major (strides (cols, 1)) and 16-byte aligned, else a packed copy (a fresh
+    allocation, aligned): what every scaled-GEMM kernel reads (sm89's rowwise kernel reads operands as packed
+    whatever their strides; torch checks no alignment)."""
+    if t.stride() == (t.shape[1], 1) and _aligned(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _aligned(t: Tensor) -> bool:
+    return (t.storage_offset() * t.element_size()) % 16 == 0
+
+
+def _padded_vector(v: Tensor, length: int) -> Tensor:
+    return F.pad(v, (0, length - v.shape[0])) if length != v.shape[0] else v.contiguous()
+
+
+# -- what meta tensors cannot show ----------------------------------------------------------------------------------
+def check_call(call: ScaledMMCall) -> List[str]:
+    """The rules of the module docstring that torch's own (meta) checks do not enforce, applied to a planned call:
+    the violations, empty when the call is valid on its target."""
+    problems: List[str] = []
+    target, rules = call.target, call.target.rules
+    if rules is None or call.kind not in rules.kinds:
+        problems.append(f"{call.kind} scaling does not run on {target.name}")
+        return problems
+    a, b = call.mat_a, call.mat_b
+    m, k = a.shape
+    n = b.shape[1]
+    if a.stride() != (k, 1) or b.stride() != (1, k):
+        problems.append(f"operands not exactly packed: mat_a strides {a.stride()}, mat_b strides {b.stride()}")
+    if not (_aligned(a) and _aligned(b)):
+        problems.append("an operand's data is not 16-byte aligned")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        problems.append("e5m2 x e5m2")
+    if call.bias is not None and (call.out_dtype == torch.float32 or call.bias.dtype != call.out_dtype):
+        problems.append(f"bias of dtype {call.bias.dtype} with a {call.out_dtype} output")
+    if call.kind == ROWWISE and target.rowwise_backend == "cutlass":
+        if b.dtype != E4M3:
+            problems.append("CUTLASS rowwise with an e5m2 second operand")
+        if call.out_dtype not in (torch.bfloat16, torch.float16) and not target.cutlass_rowwise_writes_float32:
+            problems.append(f"CUTLASS rowwise writing {call.out_dtype}")
+        if call.out_dtype == torch.float16 and call.bias is None:
+            problems.append("CUTLASS rowwise writing fp16 without a bias (its no-bias kernel writes bf16 bits)")
+    if call.kind in BLOCKWISE:
+        if call.api != V2:
+            problems.append("blockwise through torch._scaled_mm (v1 mis-reads 128x128 scales)")
+        if a.dtype != E4M3 or b.dtype != E4M3:
+            problems.append("blockwise with an e5m2 operand")
+        if call.use_fast_accum:
+            problems.append("blockwise with fast accumulation")
+        if m % 128 or k % 128 or n % 128:
+            problems.append(f"blockwise on {m} x {k} x {n} (not multiples of 128)")
+    return problems
+
+
+def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int]] = None) -> ScaledMMTarget:
+    """The target of a GPU of `capability` with the running torch (or the given torch version): for tests and the
+    contract suite."""
+    target = ScaledMMTarget.of(DeviceProfile("cuda", (int(capability[0]), int(capability[1]))))
+    return replace(target, torch_version=torch_version) if torch_version is not None else target
+
+
+__all__ = [
+    "ARCH_RULES", "ArchRules", "GemmOperands", "Refusal", "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
+    "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
+]

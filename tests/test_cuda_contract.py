@@ -1,0 +1,605 @@
+"""The CUDA contract suite: the GPU code path, proven on CPU (docs/status.md lists what it covers and what only a GPU
+can show).
+
+Every user trains on a GPU; the machines this runs on have none. `kernels.device.simulate_cuda(capability)` makes
+CPU and meta tensors take the paths CUDA takes (the torch reference casts, or the Triton kernels under the Triton
+interpreter; the scaled-GEMM planning for that architecture), and this file checks those paths with what a CPU can run:
+
+- ops: `torch.library.opcheck` of every custom op on every implementation path (CPU twin, torch reference, Triton
+  under the interpreter): the fake implementations (what torch.compile plans with) describe the real outputs;
+- GEMM contract: every scaled-GEMM call a full FP8Linear forward + backward makes, for every recipe, output dtype,
+  shape that matters and architecture, replayed on meta tensors against torch's own checks and against the rules
+  of lightning_fp8/modules/scaled_mm.py for what meta cannot see;
+- GEMM numerics: the same argument preparation run through torch 2.13's CPU `_scaled_mm` equals the emulation;
+- compile: inductor with the implementations CUDA uses;
+- host syncs: none inside FP8Linear's forward / backward on the CUDA path.
+
+Tests whose names contain "interp_" need the Triton interpreter from the start of the process;
+`test_interpreter_part` runs them in a fresh process with TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_fp8.kernels.device import simulate_cuda
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
+interp = pytest.mark.skipif(not INTERPRETING or not HAS_TRITON or torch.cuda.is_available(),
+                            reason="runs inside test_interpreter_part (TRITON_INTERPRET=1 from the process start)")
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING or torch.cuda.is_available(),
+                    reason="needs triton and no GPU; runs the interp_ tests of this file")
+def test_interpreter_part():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1]
+
+
+# -- ops: opcheck on every implementation path --------------------------------------------------------------------
+#: the paths an op can take on CPU: the CPU twins, the torch reference CUDA runs without triton, and (interpreter
+#: only) the Triton kernels CUDA runs
+PATHS = {"cpu_twin": None, "cuda_reference": dict(capability=(9, 0), triton=False)}
+
+
+def _path(name):
+    simulation = PATHS[name] if name in PATHS else dict(capability=(9, 0), triton=True)
+    return simulate_cuda(**simulation) if simulation is not None else _nothing()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _inputs(shape, layout, seed=0):
+    """A float32 tensor of `shape` in a row-major or a transposed (column-major) layout, with values across FP8's
+    range (a few elements saturate E4M3 at scale 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape if layout == "row" else shape[::-1], generator=g) * torch.exp2(
+        torch.randint(-8, 10, shape if layout == "row" else shape[::-1], generator=g).float())
+    return x if layout == "row" else x.t()
+
+
+def _cast_cases():
+    history = lambda: torch.zeros(3, 5)  # noqa: E731
+    warm = lambda: torch.tensor([[0.0, 3.0, 1.0, 0, 0]] * 3)  # noqa: E731  (a history that sizes delayed scales)
+    for layout in ("row", "t"):
+        x = _inputs((48, 80), layout)
+        yield f"fp8_cast-{layout}", torch.ops.lightning_fp8.fp8_cast.default, (
+            x, torch.tensor(2.0), "e4m3", None, None, None, True, True, True)
+        yield f"fp8_cast-amax-{layout}", torch.ops.lightning_fp8.fp8_cast.default, (
+            x, torch.tensor(0.5), "e5m2", None, None, None, False, False, True)
+        for scaling, hist in (("delayed", warm), ("delayed", history), ("current", history), ("none", history)):
+            for write_t in (False, True):
+                yield (f"scaled_cast-{scaling}-{'warm' if hist is warm else 'cold'}-t{int(write_t)}-{layout}",
+                       torch.ops.lightning_fp8.scaled_cast.default,
+                       (x, hist(), 1, "e4m3", scaling, True, 0, True, None, None, write_t, True))
+        for tiles in (((1, 0), (1, 0)), ((1, 128), (1, 128)), ((128, 128), (128, 128)), ((1, 32), ())):
+            yield (f"tiled_cast-{tiles}-{layout}", torch.ops.lightning_fp8.tiled_cast.default,
+                   (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True))
+    yield "close_scaling_step", torch.ops.lightning_fp8.close_scaling_step.default, (
+        torch.tensor([[5.0, 3.0, 1.0, 0, 0]] * 3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+        torch.tensor([448.0, 448.0, 57344.0]), torch.tensor([True] * 3), torch.tensor([True] * 3),
+        torch.tensor([True] * 3), torch.zeros(3), torch.tensor([True] * 3), True)
+
+
+CAST_CASES = {name: (op, args) for name, op, args in _cast_cases()}
+#: opcheck's tests that apply to ops that take and return float8 tensors ("test_schema" runs arithmetic on the
+#: inputs, which CPU float8 tensors do not implement); the cast ops take no float8 input, so they get all four
+CAST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _opcheck(op, args, utils):
+    clone = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731  (ops mutate the histories)
+    torch.library.opcheck(op, tuple(clone(a) for a in args), test_utils=utils)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("case", list(CAST_CASES))
+def test_cast_ops_match_their_fake_impls(case, path):
+    """The fake implementation of each cast op (shapes, dtypes, strides: what torch.compile plans with) equals what
+    the op returns on this path. The CUDA reference path returned a column-major x^T from tiled_cast while the fake
+    promised a contiguous one: inductor failed a stride assertion on every rowwise / blockwise layer."""
+    op, args = CAST_CASES[case]
+    with _path(path):
+        _opcheck(op, args, CAST_UTILS)
+
+
+@interp
+@pytest.mark.parametrize("case", [c for c in CAST_CASES if not c.startswith("tiled_cast")])
+def test_interp_cast_ops_match_their_fake_impls_on_the_triton_path(case):
+    op, args = CAST_CASES[case]
+    from lightning_fp8 import kernels
+
+    with _path("triton"):
+        assert kernels.triton_enabled_for(args[0]), "the Triton path must be the one under test"
+        _opcheck(op, args, CAST_UTILS)
+
+
+# -- GEMM contract: every scaled-GEMM call of a layer, per architecture --------------------------------------------
+from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
+from lightning_fp8.modules.gemm import record_gemms  # noqa: E402
+from lightning_fp8.modules.scaled_mm import (  # noqa: E402
+    BLOCKWISE,
+    ROWWISE,
+    TENSORWISE,
+    V2,
+    Refusal,
+    ScaledMMCall,
+    check_call,
+    plan_scaled_mm,
+    target_for,
+)
+
+ARCHS = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
+RECIPES = {
+    "delayed": FP8Recipe(),
+    "current": FP8Recipe(scaling="current"),
+    "rowwise": FP8Recipe(scaling="rowwise"),
+    "blockwise": FP8Recipe(scaling="blockwise"),
+}
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: (tokens M, in K, out N) run for real on CPU: K/128 = 6 (the padded 128x128 scale layout), token counts that are
+#: not multiples of 16 or 128, dimensions not multiples of 16 (padded), one 128-block dimensions
+SMALL_SHAPES = [(256, 768, 768), (100, 128, 768), (128, 768, 128), (33, 40, 24)]
+#: LLaMA-like shapes, run on meta tensors (the casts' fake implementations, which the opcheck tests above prove equal
+#: to the real outputs' shapes and strides on every path): K, N in {4096, 11008, 14336}
+LARGE_SHAPES = [(1000, 4096, 11008), (4096, 11008, 4096), (8192, 4096, 14336), (2048, 14336, 4096)]
+
+
+def layer_gemms(recipe, shape, out_dtype, bias, device="cpu", triton=False):
+    """The GEMM requests of one FP8Linear forward + backward (training), on the casts a CUDA machine runs (the
+    torch reference, or the Triton kernels where `triton`), every operand as the layer hands it over."""
+    m, k, n = shape
+    with simulate_cuda((9, 0), triton=triton), record_gemms() as records:
+        torch.manual_seed(0)
+        layer = FP8Linear(k, n, bias=bias, device=device, dtype=out_dtype, recipe=recipe)
+        x = torch.randn(m, k, device=device, dtype=out_dtype, requires_grad=True)
+        layer(x).float().square().sum().backward()
+    assert len(records) == 3, "forward, dgrad and wgrad"
+    return records
+
+
+def expected_native(arch, ops):
+    """Whether the GEMM must run on the GPU's scaled GEMM (True) or be refused (False), stated independently of the
+    planner from the rules of lightning_fp8/modules/scaled_mm.py. (A blockwise recipe's GEMM whose contraction is
+    one 128-block is rowwise scaling: one scale per row and column.)"""
+    m, k, n = ops.shape
+    kind = ops.kind()
+    if ops.a.dtype == E5 and ops.b.dtype == E5:
+        return False
+    if kind == TENSORWISE:
+        return True
+    if kind == ROWWISE:
+        return arch == "sm90" or (ops.out_dtype != torch.float32 and ops.b.dtype == E4)
+    assert kind in BLOCKWISE, kind
+    return arch == "sm90" and m % 128 == 0 and k % 128 == 0 and n % 128 == 0 and ops.a.dtype == ops.b.dtype == E4
+
+
+def check_on_every_arch(records, scaling):
+    kinds = {"delayed": {TENSORWISE}, "current": {TENSORWISE}, "rowwise": {ROWWISE}, "blockwise": {ROWWISE, *BLOCKWISE}}
+    for arch, capability in ARCHS.items():
+        target = target_for(capability)
+        for ops in records:
+            assert ops.kind() in kinds[scaling], (scaling, ops.kind())
+            plan = plan_scaled_mm(ops, target)
+            where = f"{arch}, {scaling}, GEMM {tuple(ops.shape)} {ops.a.dtype} x {ops.b.dtype} -> {ops.out_dtype}"
+            if not expected_native(arch, ops):
+                assert isinstance(plan, Refusal) and plan.reason, f"{where}: must be refused with a reason, got {plan}"
+                continue
+            assert isinstance(plan, ScaledMMCall), f"{where}: refused ({plan})"
+            assert plan.kind == ops.kind(), where
+            assert check_call(plan) == [], f"{where}: {check_call(plan)}"
+            plan.on_meta().launch()  # torch's own checks of the call (meta tensors are checked as CUDA ones)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_contract_cpu(shape, scaling, out, with_bias):
+    """Every GEMM of an FP8Linear forward + backward, built from the torch reference casts CUDA runs without triton,
+    planned for sm89 / sm90 / sm100 / sm120: valid under torch's checks and the per-architecture rules, or refused
+    with a reason (then emulated, warned once) exactly where the rules say."""
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias), scaling)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("shape", LARGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_contract_large_shapes_on_meta(shape, scaling, out, with_bias):
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias, device="meta"), scaling)
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], with_bias, device="meta", triton=True),
+                        scaling)
+
+
+@interp
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("shape", [(100, 128, 768), (33, 40, 24)], ids=lambda s: "x".join(map(str, s)))
+def test_interp_gemm_contract_with_triton_casts(shape, scaling):
+    """The same with the Triton casts (interpreted): x^T and dY^T written by the cast kernel, no copies."""
+    check_on_every_arch(layer_gemms(RECIPES[scaling], shape, torch.bfloat16, True, triton=True), scaling)
+
+
+def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
+    """cuBLASLt reads 128x128 scales with the K-block dimension padded to a multiple of 4: (L4, N/128), strides
+    (1, L4). K = 768 (6 blocks -> L4 = 8), 11008 (86 -> 88), 128 (1 -> 4). The unpadded layout (what torch._scaled_mm
+    v1 accepts) gives silent wrong answers on the GPU; torch's v2 meta check rejects it."""
+    for k in (128, 768, 11008):
+        records = layer_gemms(RECIPES["blockwise"], (256, k, 256), torch.bfloat16, False, device="meta")
+        forward = records[0]
+        call = plan_scaled_mm(forward, target_for((9, 0)))
+        kb = k // 128
+        l4 = -(-kb // 4) * 4
+        assert call.api == V2 and call.scale_b.shape == (l4, 2) and call.scale_b.stride() == (1, l4)
+        call.on_meta().launch()
+        unpadded = torch.empty_strided((kb, 2), (1, kb), dtype=torch.float32, device="meta")
+        if kb % 4:
+            with pytest.raises(RuntimeError, match="scale b must have shape"):
+                type(call)(**{**call.on_meta().__dict__, "scale_b": unpadded}).launch()
+
+
+# -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------
+from lightning_fp8.modules.gemm import emulated_gemm  # noqa: E402
+from lightning_fp8.modules.scaled_mm import GemmOperands  # noqa: E402
+from lightning_fp8.modules.tiled_gemm import emulated_tiled_gemm  # noqa: E402
+
+
+def _grid_operands(m, k, n, kind, out_dtype, with_bias, exact, seed=0):
+    """FP8 operands a (M, K) row-major and b (K, N) column-major (as the layer hands them over), with tensorwise or
+    rowwise dequant scales. exact: values on a 1/8 grid and power-of-two scales, so every partial sum is exact in
+    float32 whatever the order and a bias exact in the output dtype."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        a = (torch.randint(-64, 65, (m, k), generator=g).float() / 8).to(E4)
+        b = (torch.randint(-64, 65, (n, k), generator=g).float() / 8).to(E4).t()
+    else:
+        a = (torch.randn(m, k, generator=g) * 6).to(E4)
+        b = (torch.randn(n, k, generator=g) * 6).to(E4).t()
+    if kind == "tensorwise":
+        sa, sb, tiles = torch.tensor(2.0**-3), torch.tensor(0.5), (None, None)
+    else:
+        sa = 2.0 ** torch.randint(-3, 2, (m, 1), generator=g).float()
+        sb = 2.0 ** torch.randint(-3, 2, (1, n), generator=g).float()
+        if not exact:
+            sa, sb = sa * 1.37, sb * 0.61
+        tiles = ((1, 0), (0, 1))
+    bias = (torch.randint(-32, 33, (n,), generator=g).float() / 4).to(out_dtype) if with_bias else None
+    return GemmOperands(a, sa, tiles[0], b, sb, tiles[1], out_dtype, bias, False)
+
+
+def _emulation(ops):
+    if ops.a_tile is None:
+        return emulated_gemm(ops.a, ops.a_scale_inv, ops.b, ops.b_scale_inv, ops.out_dtype, ops.bias)
+    return emulated_tiled_gemm(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
+                               ops.bias, bf16=False)
+
+
+NUMERIC_SHAPES = [(48, 256, 40), (33, 40, 24), (16, 64, 128)]
+
+
+@pytest.mark.parametrize("shape", NUMERIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out", list(OUT_DTYPES))
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("arch", ["sm89", "sm90"])
+def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, with_bias, shape):
+    """The argument preparation of the CUDA path (padding of K and N, packed layouts, scale shapes, the bias passed
+    or added after, the zero fp16 bias of the CUTLASS rowwise kernel) run with real numbers through torch 2.13's CPU
+    scaled GEMM: equal to the emulation bit for bit where every partial sum is exact, within one output rounding
+    otherwise. (sm89 plans differ from sm90's: CUTLASS rowwise.)"""
+    out_dtype = OUT_DTYPES[out]
+    target = target_for(ARCHS[arch])
+    for exact in (True, False):
+        ops = _grid_operands(*shape, kind, out_dtype, with_bias, exact)
+        call = plan_scaled_mm(ops, target)
+        if isinstance(call, Refusal):
+            assert arch == "sm89" and kind == "rowwise" and out_dtype == torch.float32, call
+            continue
+        result, reference = call.launch(), _emulation(ops)
+        assert result.dtype == out_dtype and result.shape == reference.shape and result.is_contiguous()
+        if exact:
+            assert torch.equal(result, reference)
+        else:
+            # one output rounding, plus float32 accumulation in another order (and, for scales that are not powers
+            # of two, the emulation's dequantized operands rounded once more): k * 2^-23 of the sum of |products|
+            magnitude = (ops.a.double().abs() * ops.a_scale_inv.double()) @ (
+                ops.b.double().abs() * ops.b_scale_inv.double())
+            bound = (torch.finfo(out_dtype).eps * reference.double().abs() + torch.finfo(out_dtype).tiny
+                     + shape[1] * 2.0**-23 * magnitude)
+            assert ((result.double() - reference.double()).abs() <= bound).all()
+
+
+# -- failures at launch ----------------------------------------------------------------------------------------------
+def test_a_device_failure_propagates_and_never_turns_the_gemm_kind_to_emulation(monkeypatch):
+    """An out-of-memory error (or a sticky CUDA error) raised by the scaled GEMM is the device failing, not the call
+    being unsupported: it propagates, and the next call of the same signature runs the scaled GEMM again. Before, one
+    transient OOM sent that GEMM kind to float32 emulation for the rest of the run, silently."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
+
+    ops = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
+    launches, failures = [], [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+    real_launch = Call.launch
+
+    def launch(self):
+        launches.append(self.kind)
+        if failures:
+            raise failures.pop()
+        return real_launch(self)
+
+    monkeypatch.setattr(Call, "launch", launch)
+    gemm._runtime_refusals.clear()
+    args = (ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype)
+    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
+
+    with simulate_cuda((9, 0)):
+        with pytest.raises(torch.OutOfMemoryError):
+            fp8_gemm_tiled(*args)
+        fp8_gemm_tiled(*args)  # the same signature: the scaled GEMM again, not emulation
+        assert launches == [ROWWISE, ROWWISE]
+        failures.append(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            fp8_gemm_tiled(*args)
+    assert not gemm._runtime_refusals
+
+
+def test_a_refusal_by_torch_is_remembered_per_exact_signature(monkeypatch):
+    """Where torch or the GPU library refuses a call our rules let through (a cuBLASLt without a kernel for it), that
+    exact signature (shapes, strides, dtypes, bias, fast accumulation) is emulated from then on, warned once; a call
+    that differs in any of them still tries the scaled GEMM."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.gemm import FP8EmulationWarning
+    from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
+    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
+
+    real_launch = Call.launch
+    launches = []
+
+    def launch(self):
+        launches.append(self.bias is not None)
+        if self.bias is None:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return real_launch(self)
+
+    monkeypatch.setattr(Call, "launch", launch)
+    gemm._runtime_refusals.clear()
+    gemm._warned.clear()
+    plain = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
+    biased = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, True, True)
+
+    def run(ops):
+        return fp8_gemm_tiled(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
+                              ops.bias)
+
+    with simulate_cuda((9, 0)):
+        with pytest.warns(FP8EmulationWarning, match="NOT_SUPPORTED"):
+            assert torch.equal(run(plain), _emulation(plain))
+        run(plain)  # remembered: not launched again
+        run(biased)  # another signature: launched
+    assert launches == [False, True]
+    gemm._runtime_refusals.clear()
+
+
+# -- host synchronisations -------------------------------------------------------------------------------------------
+import contextlib  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+#: the Tensor methods that read a device tensor's values on the host: each a device-to-host synchronisation on a GPU
+#: (`bool(t)`, `float(t)`, `t.item()`, `t.tolist()`, `t.cpu()`, ...). Patched at the Python level, they are seen
+#: wherever they are called from Python, inside the custom ops' implementations too (a dispatch mode would see a
+#: custom op as one opaque call).
+HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero")
+
+
+class HostReads:
+    """Counts the HOST_READS calls on tensors while active and not paused; the engine's own `to_host` is counted
+    separately (engine/host.py) and excluded here."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.paused, self._monkeypatch = [], False, monkeypatch
+
+    @contextlib.contextmanager
+    def active(self):
+        from lightning_fp8.engine import host
+
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+        counter = self
+
+        def wrap(name):
+            original = originals[name]
+
+            def method(tensor, *args, **kwargs):
+                if not counter.paused:
+                    counter.calls.append(name)
+                return original(tensor, *args, **kwargs)
+
+            return method
+
+        real_to_host = host.to_host
+
+        def to_host(tensor, why):  # counted by count_host_reads, not here
+            paused, counter.paused = counter.paused, True
+            try:
+                return real_to_host(tensor, why)
+            finally:
+                counter.paused = paused
+
+        with self._monkeypatch.context() as patch:
+            for name in HOST_READS:
+                patch.setattr(torch.Tensor, name, wrap(name))
+            for module in _modules_using_to_host():
+                patch.setattr(module, "to_host", to_host)
+            yield self
+
+
+def _modules_using_to_host():
+    import importlib
+
+    names = ["lightning_fp8.engine.engine", "lightning_fp8.engine.checks", "lightning_fp8.engine.gradients",
+             "lightning_fp8.engine.scales", "lightning_fp8.engine.distributed"]
+    return [importlib.import_module(name) for name in names]
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
+    """A training forward + backward of FP8 layers on the path CUDA takes without triton (the torch reference casts,
+    which CUDA runs for float64 input, without triton or with LIGHTNING_FP8_DISABLE_TRITON=1): no op that reads a
+    device value on the host. The reference per-tensor cast read two (`bool(ref > 0)`, `bool(amax * scale <= max)`)
+    per cast: about 8 device-to-host synchronisations per layer and step."""
+    with simulate_cuda((9, 0), triton=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(FP8Linear(64, 128, recipe=RECIPES[scaling]), nn.GELU(),
+                              FP8Linear(128, 64, recipe=RECIPES[scaling]))
+        x = torch.randn(48, 64)
+        for step in range(3):  # steps 2 and 3 run with the delayed scales sized by the history
+            with HostReads(monkeypatch).active() as reads:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                out.float().square().mean().backward()
+            assert reads.calls == [], f"step {step}: {reads.calls}"
+
+
+def _train_iteration(engine, model, opt, counter, clip=None):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(32, 64)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    if clip is not None:
+        engine.clip_grad_norm_(opt, clip)
+
+    def optimizer_step():  # torch's optimizer is not the engine's: its own host reads are not counted here
+        counter.paused = True
+        opt.step()
+        counter.paused = False
+
+    engine.step(opt, optimizer_step)
+    engine.end_iteration()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_engine_host_reads_per_iteration(clip, monkeypatch):
+    """The engine's device-to-host reads per training iteration on one GPU, counted at engine/host.py's `to_host`,
+    the only place they happen (no implicit read anywhere in the iteration outside the optimizer's own step): the
+    figures docs/plugin.md ("Host synchronisations") states and justifies."""
+    from lightning_fp8.engine import FP8TrainingEngine
+    from lightning_fp8.engine.host import count_host_reads
+
+    with simulate_cuda((9, 0), triton=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(FP8Linear(64, 128), nn.GELU(), FP8Linear(128, 64))
+        engine = FP8TrainingEngine(FP8Recipe())
+        engine.attach(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        counter = HostReads(monkeypatch)
+        for _ in range(2):
+            _train_iteration(engine, model, opt, counter, clip)
+        with counter.active(), count_host_reads() as reads:
+            _train_iteration(engine, model, opt, counter, clip)
+    assert counter.calls == [], counter.calls
+    expected = ["non-finite gradients", "FP8 overflows", "loss", "weights finite"]
+    if clip is not None:
+        expected.insert(1, "gradient norm")
+    assert reads == expected
+
+
+# -- compile with the implementations CUDA runs ---------------------------------------------------------------------
+def _inductor_vs_eager(recipe):
+    import copy
+
+    torch.manual_seed(0)
+    base = nn.Sequential(FP8Linear(64, 128, recipe=recipe), nn.GELU(), FP8Linear(128, 128, recipe=recipe))
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    x = torch.randn(128, 64)
+    outs = []
+    for model, fwd in ((eager, eager), (compiled, torch.compile(compiled, fullgraph=True))):
+        for _ in range(2):  # the second step runs on delayed scales
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = fwd(x).float().square().mean()
+            loss.backward()
+        outs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_e, grads_e), (loss_c, grads_c) = outs
+    # tolerances of tests/test_compile.py (inductor reorders the BF16 ops around the layers)
+    torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=0)
+    for ge, gc in zip(grads_e, grads_c):
+        assert ((gc - ge).norm() / ge.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_inductor_with_the_cuda_reference_implementations(scaling):
+    """Inductor, fullgraph, on the casts and GEMM plans CUDA runs without triton: with the column-major x^T the CUDA
+    reference of tiled_cast returned, inductor failed its stride assertion on every rowwise / blockwise layer."""
+    torch._dynamo.reset()
+    with simulate_cuda((9, 0), triton=False):
+        _inductor_vs_eager(RECIPES[scaling])
+    torch._dynamo.reset()
+
+
+@interp
+@pytest.mark.parametrize("scaling", ["delayed", "rowwise"])
+def test_interp_inductor_with_the_triton_casts(scaling):
+    torch._dynamo.reset()
+    with simulate_cuda((9, 0), triton=True):
+        _inductor_vs_eager(RECIPES[scaling])
+    torch._dynamo.reset()
+
+
+# -- the GEMM ops' fake implementations, on every path ---------------------------------------------------------------
+#: ("test_schema" runs arithmetic on the inputs, which CPU float8 tensors do not implement)
+GEMM_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("path", ["cpu_emulation", "sm90", "sm89"])
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "blockwise"])
+def test_gemm_ops_match_their_fake_impls(kind, path):
+    """fp8_gemm / fp8_gemm_tiled: the CPU emulation, and the simulated GPUs' plans (run through CPU _scaled_mm where
+    torch's CPU build has it, emulated where not), return what the fake implementation says (shape, dtype, strides:
+    padded and sliced outputs must come back contiguous)."""
+    from lightning_fp8.numerics.tiles import quantize_tiles, transposed
+
+    g = torch.Generator().manual_seed(1)
+    m, k, n = 128, 256, 136 if kind != "blockwise" else 128
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    for out_dtype, bias in ((torch.bfloat16, torch.randn(n, generator=g)), (torch.float32, None)):
+        if kind == "tensorwise":
+            a, b = x.to(E4), w.to(E4).t()
+            args = (a, torch.tensor(0.5), b, torch.tensor(2.0), out_dtype, bias, False, "auto")
+            op = torch.ops.lightning_fp8.fp8_gemm.default
+        else:
+            a_tile, b_tile = ((1, 0), (0, 1)) if kind == "rowwise" else ((1, 128), (128, 128))
+            fmt = RECIPES["rowwise"].format_for("input")
+            qa, sa, _ = quantize_tiles(x, a_tile, fmt)
+            qbt, sbt, _ = quantize_tiles(w, transposed(b_tile), fmt)
+            args = (qa, sa, list(a_tile), qbt.t(), sbt.t(), list(b_tile), out_dtype, bias, False, "auto")
+            op = torch.ops.lightning_fp8.fp8_gemm_tiled.default
+        with simulate_cuda(ARCHS[path]) if path != "cpu_emulation" else _nothing():
+            torch.library.opcheck(op, args, test_utils=GEMM_UTILS)
+
+
+def test_hardware_fp8_cast_only_where_it_compiles_and_rounds_once():
+    """The Triton casts use the hardware conversion where it compiles (sm89+) and rounds float32 once like torch's
+    cast: not on sm80/86/87 (Triton refuses fp8e4nv there), not on sm89 before Triton 3.9 (it converts through
+    float16 there, two roundings); elsewhere the kernels' exact integer rounding."""
+    from lightning_fp8.kernels import hardware_cast_exact
+
+    assert not any(hardware_cast_exact(cap, (3, 9)) for cap in [(8, 0), (8, 6), (8, 7), None])
+    assert not hardware_cast_exact((8, 9), (3, 6)) and hardware_cast_exact((8, 9), (3, 9))
+    assert all(hardware_cast_exact(cap, (3, 6)) for cap in [(9, 0), (10, 0), (12, 0)])
