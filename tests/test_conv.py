@@ -277,8 +277,9 @@ CUDA_GEOMETRIES = [g for g in GEOMETRIES if g[0] in ("3x3", "stride2", "groups",
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_cuda_scaled_mm_conv_equals_its_definition(name, build, shape, channels_last):
     """On FP8 tensor cores every GEMM of the convolution (the unfolded operands in the layouts _scaled_mm takes: the
-    Triton casts' transposes, the column-major im2col and weight matrices) equals the definition within the float32
-    summation bound (fast accumulation off: it accumulates in less than float32)."""
+    column-major im2col and weight matrices, which tests/test_cuda_contract.py checks on CPU, and dy^T from the
+    Triton cast where triton is installed) equals the definition within the float32 summation bound (fast
+    accumulation off: it accumulates in less than float32)."""
     from lightning_fp8.modules.gemm import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):

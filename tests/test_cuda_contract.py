@@ -8,8 +8,8 @@ interpreter; the scaled-GEMM planning for that architecture), and this file chec
 - ops: `torch.library.opcheck` of every custom op on every implementation path (CPU twin, torch reference, Triton
   under the interpreter): the fake implementations (what torch.compile plans with) describe the real outputs;
 - GEMM contract: every scaled-GEMM call a full FP8Linear (and FP8Conv2d / FP8Conv1d) forward + backward makes, for
-  every recipe, output dtype, shape (convolution geometry) that matters and architecture, replayed on meta tensors against torch's own checks and against the rules
-  of lightning_fp8/modules/scaled_mm.py for what meta cannot see;
+  every recipe, output dtype, shape (convolution geometry) that matters and architecture, replayed on meta tensors
+  against torch's own checks and against the rules of lightning_fp8/modules/scaled_mm.py for what meta cannot see;
 - GEMM numerics: the same argument preparation run through torch 2.13's CPU `_scaled_mm` equals the emulation;
 - compile: inductor with the implementations CUDA uses;
 - host syncs: none inside FP8Linear's or FP8Conv2d's forward / backward on the CUDA path.
@@ -291,15 +291,28 @@ def conv_gemms(scaling, case, device="cpu", triton=False, dtype=torch.bfloat16):
     return records
 
 
+def assert_b_column_major(records):
+    """The second operand of every GEMM reaches it column-major, the layout the scaled GEMM reads: the planner
+    passes it on as it is instead of copying it (`scaled_mm._packed`)."""
+    for ops in records:
+        k, n = ops.b.shape
+        assert n == 1 or ops.b.stride(0) == 1 and ops.b.stride(1) == k, (tuple(ops.shape), ops.b.stride())
+        if ops.b.device.type == "cpu" and k % 16 == 0 and n % 16 == 0:
+            plan = plan_scaled_mm(ops, target_for((9, 0)))
+            if isinstance(plan, ScaledMMCall):
+                assert plan.mat_b.data_ptr() == ops.b.data_ptr(), "the planner copied B"
+
+
 @pytest.mark.parametrize("scaling", list(RECIPES))
 @pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
 def test_conv_gemm_contract_cpu(case, scaling):
     """Every GEMM of an FP8Conv2d / FP8Conv1d forward + backward (the unfolded input, the stride-1 input gradient as
     a convolution of dy, the strided one as GEMM + col2im, one GEMM triple per group), built from the torch reference
     casts CUDA runs without triton, planned for sm89 / sm90 / sm100 / sm120: valid under torch's checks and the
-    per-architecture rules, or refused with a reason exactly where the rules say."""
+    per-architecture rules, or refused with a reason exactly where the rules say; B column-major, so not copied."""
     records = conv_gemms(scaling, case)
     check_on_every_arch(records, scaling)
+    assert_b_column_major(records)
 
 
 @pytest.mark.parametrize("scaling", list(RECIPES))
@@ -309,6 +322,7 @@ def test_conv_gemm_contract_on_meta(scaling):
         for case in (CONV_CASES[1], CONV_CASES[2]):
             records = conv_gemms(scaling, case, device="meta", triton=triton)
             check_on_every_arch(records, scaling)
+            assert_b_column_major(records)
 
 
 # -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------

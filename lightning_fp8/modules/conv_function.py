@@ -48,7 +48,7 @@ from lightning_fp8.modules.conv_layout import (
     weight_matrix,
 )
 from lightning_fp8.modules.function import GemmConfig, cast_gradient
-from lightning_fp8.modules.gemm import fp8_gemm
+from lightning_fp8.modules.gemm import fp8_gemm, scaled_mm_supported
 from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.recipe import FP8Recipe
@@ -59,6 +59,15 @@ Tensor = torch.Tensor
 def _memory_format(x: Tensor) -> torch.memory_format:
     return torch.channels_last if (x.dim() == 4 and not x.is_contiguous()
                                    and x.is_contiguous(memory_format=torch.channels_last)) else torch.contiguous_format
+
+
+def _b_column_major(device: torch.device, backend: str) -> bool:
+    """Whether this device's GEMMs read their second operand column-major: `torch._scaled_mm` takes mat_b (K, N)
+    column-major, so where it runs, the unfold and the weight matrix (copies made anyway) write B that way and the
+    planner passes it on instead of copying it again. The emulation reads either layout. Decided by the device, not
+    by the FP8 tensor: `kernels.materializes_transpose` answers whether the cast kernel writes a transpose, and is
+    False for every FP8 tensor (the kernels read high-precision input only)."""
+    return backend != "emulated" and scaled_mm_supported(device)
 
 
 def _group_slice(size: int, groups: int, group: int) -> slice:
@@ -124,10 +133,10 @@ class FP8ConvGemms(torch.autograd.Function):
             grad_x = grad_x.to(dtype=ctx.x_dtype, memory_format=ctx.x_format)
         if needs_wgrad:
             g_a = g_t if g_t is not None else g_fp8.t()  # (O, M)
-            layout_t = kernels.materializes_transpose(g2d)
+            column_major = _b_column_major(xp_fp8.device, cfg.backend)
             parts = [
                 fp8_gemm(g_a[_group_slice(o, groups, g)], g_scale_inv,
-                         im2col(xp_fp8, geometry, g, out_hw, transposed=layout_t), x_scale_inv, cfg.out_dtype, None,
+                         im2col(xp_fp8, geometry, g, out_hw, transposed=column_major), x_scale_inv, cfg.out_dtype, None,
                          False, cfg.backend)
                 for g in range(groups)
             ]
@@ -157,12 +166,12 @@ def _input_gradient(g_fp8: Tensor, g_scale_inv: Tensor, w_fp8: Tensor, w_scale_i
                  for g in range(groups)]
         dx = parts[0] if groups == 1 else torch.cat(parts, dim=1)
         return dx.view(n, h, w, c).permute(0, 3, 1, 2)
-    layout_t = kernels.materializes_transpose(g_fp8)  # the GEMM wants W column-major where the device does
+    column_major = _b_column_major(g_fp8.device, cfg.backend)
     top, bottom, left, right = geometry.padding
     dxp = torch.zeros((n, h + top + bottom, w + left + right, c), dtype=torch.float32, device=g_fp8.device)
     for g in range(groups):
         cols = fp8_gemm(g_fp8[:, _group_slice(o, groups, g)], g_scale_inv,
-                        weight_matrix(w_fp8, g, groups, transposed=layout_t), w_scale_inv, torch.float32, None, False,
+                        weight_matrix(w_fp8, g, groups, transposed=column_major), w_scale_inv, torch.float32, None, False,
                         cfg.backend)
         col2im_add_(dxp, cols, geometry, g, out_hw)
     # rounded once, to the compute dtype every other GEMM of the layer produces

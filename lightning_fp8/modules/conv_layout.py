@@ -109,7 +109,8 @@ def im2col(xp: Tensor, geometry: ConvGeometry, group: int, out_hw: Tuple[int, in
     m = win.shape[0] * win.shape[1] * win.shape[2]
     k = win.shape[3] * win.shape[4] * win.shape[5]
     if transposed:
-        return win.permute(3, 4, 5, 0, 1, 2).reshape(k, m).t()
+        # contiguous: for a 1x1 kernel the reshape can be a view, row-major, which the scaled GEMM would copy
+        return win.permute(3, 4, 5, 0, 1, 2).reshape(k, m).contiguous().t()
     return win.reshape(m, k)
 
 
@@ -134,7 +135,8 @@ def flipped_weight_matrix(weight: Tensor, group: int, groups: int) -> Tensor:
     og = weight.shape[0] // groups
     w = weight[group * og:(group + 1) * og] if groups > 1 else weight
     raw = w.view(torch.uint8) if w.element_size() == 1 and w.is_floating_point() else w
-    flipped = raw.flip(2, 3).permute(1, 2, 3, 0).reshape(w.shape[1], -1)
+    # contiguous: for a 1x1 kernel the reshape is a view of the flip, column-major, which the scaled GEMM would copy
+    flipped = raw.flip(2, 3).permute(1, 2, 3, 0).reshape(w.shape[1], -1).contiguous()
     return flipped.view(w.dtype) if raw is not w else flipped
 
 
@@ -167,7 +169,7 @@ def weight_matrix(weight: Tensor, group: int, groups: int, transposed: bool = Fa
     og = weight.shape[0] // groups
     w = weight[group * og:(group + 1) * og] if groups > 1 else weight
     if transposed:
-        return w.permute(2, 3, 1, 0).reshape(-1, og).t()
+        return w.permute(2, 3, 1, 0).reshape(-1, og).contiguous().t()  # contiguous: a view for 1x1 kernels
     return w.permute(0, 2, 3, 1).reshape(og, -1)
 
 
