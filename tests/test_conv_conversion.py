@@ -143,3 +143,34 @@ def test_transformers_resnet18_runs_17_of_its_20_convolutions_in_fp8():
         "classifier.1": "in/out features 512x10 are not multiples of 16 (FP8 GEMMs need 16-aligned dimensions)",
     }
     assert all(isinstance(model.get_submodule(r.fqn), FP8Conv2d) for r in convs if r.precision == "fp8")
+
+
+def _recipe_with_scaling(scaling, **kwargs):
+    """An FP8Recipe whose scaling is one FP8 convolutions have no path for (as a scaling another version of FP8Recipe
+    accepts would be): set past the recipe's own validation."""
+    recipe = FP8Recipe(**kwargs)
+    object.__setattr__(recipe, "scaling", scaling)
+    return recipe
+
+
+def test_a_scaling_convolutions_have_no_path_for_keeps_them_in_bf16_and_the_layer_refuses_it():
+    """Convolutions run delayed / current (per-tensor path) and rowwise / blockwise (tiled path) only. Before, the
+    layer dispatched on `recipe.fine_grained` alone, so any other scaling silently took the per-tensor path; now
+    conversion keeps such a convolution in BF16 with the reason (whatever the filter or a layer_recipes entry
+    says), and an FP8 convolution handed one refuses it, naming the valid choices."""
+    unknown = _recipe_with_scaling("nvfp4", keep_first_last_in_bf16=False)
+    why = ("FP8Recipe.scaling='nvfp4': nn.Conv2d has no FP8 path for it (valid choices: ['delayed', 'current', "
+           "'rowwise', 'blockwise'])")
+    for kwargs in ({}, {"module_filter": lambda m, fqn: True}):
+        model = nn.Sequential(nn.Conv2d(32, 64, 3), nn.Conv2d(64, 64, 1))
+        convert_to_fp8(model, unknown, verbose=False, **kwargs)
+        assert {r.fqn: (r.precision, r.reason) for r in precision_map(model)} == {"0": ("bf16", why),
+                                                                                 "1": ("bf16", why)}
+    model = nn.Sequential(nn.Conv2d(32, 64, 3), nn.Conv2d(64, 64, 1))
+    convert_to_fp8(model, NO_FIRST_LAST, layer_recipes={"1": unknown}, verbose=False)
+    rows = {r.fqn: (r.precision, r.reason) for r in precision_map(model)}
+    assert rows["0"][0] == "fp8" and rows["1"] == ("bf16", why)
+    layer = FP8Conv2d.from_conv(nn.Conv2d(32, 64, 3), unknown)
+    with pytest.raises(ValueError, match=r"scaling='nvfp4' has no convolution path; valid choices: \['delayed', "
+                                         r"'current', 'rowwise', 'blockwise'\]"):
+        layer(torch.randn(1, 32, 5, 5))

@@ -25,6 +25,7 @@ from lightning_fp8.conversion.filters import (
     ModuleFilter,
     filter_reason,
     rule_skip_reason,
+    scaling_skip_reason,
     structural_skip_reason,
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
@@ -93,6 +94,10 @@ def convert_to_fp8(
             continue
         kind = kinds.linear_kind(module)
         layer_recipe = recipe_for(fqn, recipe, per_layer)
+        unsupported = scaling_skip_reason(module, layer_recipe)  # a layer_recipes entry the layer has no path for
+        if unsupported is not None:
+            module.__dict__[SKIP_REASON_ATTR] = unsupported
+            continue
         new = transplant.to_fp8(module, lambda m, kind=kind, r=layer_recipe: kind.convert(m, r))
         if not fqn:
             model = new
@@ -133,7 +138,8 @@ def plan_conversion(
                 reason = module_filter.skip_reason(module, fqn)
             else:
                 reason = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
-            reason = structural_skip_reason(module) or reason  # what no filter can override
+            # what no filter can override
+            reason = structural_skip_reason(module) or scaling_skip_reason(module, recipe) or reason
         else:
             reason = rule_skip_reason(module, fqn, recipe)
             if reason is None:

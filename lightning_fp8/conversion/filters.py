@@ -6,6 +6,7 @@ Two kinds of rules, each returning the reason a layer stays in BF16 (None: conve
   (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16 (a convolution's
   channels per group); a depthwise convolution; an uninitialized LazyLinear / LazyConv; a forward replaced on the
   instance; a parametrization that changes the weight's shape).
+- `scaling_skip_reason`: the layer has no FP8 path for the recipe's scaling (no filter overrides it either).
 - `default_skip_reason`: the default filter on top of those: `FP8Recipe.skip_patterns`, LoRA adapters, and the
   first / last rule (decided in lightning_fp8/conversion/order.py, over layers that would otherwise convert).
 
@@ -77,6 +78,23 @@ def convolution_skip_reason(conv: nn.Module) -> Optional[str]:
     return None
 
 
+def scaling_skip_reason(module: nn.Module, recipe: FP8Recipe) -> Optional[str]:
+    """Why a layer cannot run the recipe's scaling (None: it can): its FP8 layer has no path for it (`fp8_scalings`;
+    FP8 convolutions run the per-tensor and the tiled scalings only). Asked of the FP8 class, so a scaling added to
+    FP8Recipe later stays out of such layers until they get a path for it, and so does a registered kind's layer."""
+    kind = kinds.linear_kind(module)
+    if kind is None:
+        return None
+    try:
+        scalings = kind.fp8_layer_class().fp8_scalings
+    except ImportError:
+        return None
+    if scalings is None or recipe.scaling in scalings:
+        return None
+    return (f"FP8Recipe.scaling={recipe.scaling!r}: {kind.label} has no FP8 path for it (valid choices: "
+            f"{list(scalings)})")
+
+
 def is_lora_adapter(fqn: str) -> bool:
     """A PEFT LoRA adapter matrix (`<layer>.lora_A.<adapter>` / `lora_B`)."""
     parts = fqn.split(".")
@@ -85,7 +103,7 @@ def is_lora_adapter(fqn: str) -> bool:
 
 def rule_skip_reason(module: nn.Module, fqn: str, recipe: FP8Recipe) -> Optional[str]:
     """The default filter's reasons other than first / last (None: the layer is a first/last candidate)."""
-    structural = structural_skip_reason(module)
+    structural = structural_skip_reason(module) or scaling_skip_reason(module, recipe)
     if structural is not None:
         return structural
     for pattern in recipe.skip_patterns:
@@ -124,6 +142,7 @@ __all__ = [
     "SKIP_REASON_ATTR",
     "structural_skip_reason",
     "convolution_skip_reason",
+    "scaling_skip_reason",
     "rule_skip_reason",
     "default_skip_reason",
     "filter_reason",

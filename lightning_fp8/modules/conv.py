@@ -32,6 +32,13 @@ from lightning_fp8.recipe import FP8Recipe
 
 Tensor = torch.Tensor
 
+#: the scalings FP8 convolutions have a path for. Per-tensor ones cast x once and unfold the FP8 bytes
+#: (conv_function.per_tensor_conv); tiled ones scale windows of the unfolded input, so they unfold first
+#: (conv_function.fine_grained_conv). A scaling FP8Recipe gains later has no convolution path until one is added here.
+PER_TENSOR_SCALINGS = ("delayed", "current")
+TILED_SCALINGS = ("rowwise", "blockwise")
+CONV_SCALINGS = PER_TENSOR_SCALINGS + TILED_SCALINGS
+
 #: the attributes that define an nn.Conv1d / nn.Conv2d besides its Parameters
 _CONV_ATTRIBUTES = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
                     "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice")
@@ -42,6 +49,7 @@ class FP8ConvNd(FP8Layer):
 
     #: the class this FP8 layer replaces (nn.Conv1d / nn.Conv2d)
     unconverted_class: type = nn.Module
+    fp8_scalings = CONV_SCALINGS
 
     # -- the GEMM view of the layer ---------------------------------------------------------------------------------
     @property
@@ -74,8 +82,11 @@ class FP8ConvNd(FP8Layer):
         geometry = ConvGeometry.of(self)
         out_dtype = _output_dtype(x)
         meta = self.fp8_meta
-        if recipe.fine_grained:
+        if recipe.scaling in TILED_SCALINGS:
             y = fine_grained_conv(self, x4, w4, self.bias, recipe, training, observer, out_dtype, geometry)
+        elif recipe.scaling not in PER_TENSOR_SCALINGS:
+            raise ValueError(f"{type(self).__name__}: FP8Recipe.scaling={recipe.scaling!r} has no convolution path; "
+                             f"valid choices: {list(CONV_SCALINGS)}")
         else:
             if observer is not None:
                 observer("input", x)
@@ -141,4 +152,4 @@ class FP8Conv2d(FP8ConvNd, nn.Conv2d):
     unconverted_class = nn.Conv2d
 
 
-__all__ = ["FP8ConvNd", "FP8Conv1d", "FP8Conv2d"]
+__all__ = ["FP8ConvNd", "FP8Conv1d", "FP8Conv2d", "CONV_SCALINGS", "PER_TENSOR_SCALINGS", "TILED_SCALINGS"]

@@ -8,7 +8,7 @@ state changed per call, so `torch.compile` traces a converted model as one graph
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ class FP8Layer(nn.Module):
 
     in_features: int
     out_features: int
+    #: the FP8Recipe scalings this layer has a path for; None: every one the recipe accepts. Conversion keeps a layer
+    #: whose recipe asks for another in BF16 with that reason, and FP8LayerFallback does not escalate it there.
+    fp8_scalings: Optional[Tuple[str, ...]] = None
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
         self.fp8_meta = FP8LinearMeta(recipe if recipe is not None else FP8Recipe(), device=device)
