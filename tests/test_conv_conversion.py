@@ -3,9 +3,10 @@
 the first/last rule over convolutions, the conversion summary, and transformers' ResNet-18 (the issue's model)."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8 import FP8Conv1d, FP8Conv2d, FP8Layer, FP8Recipe, convert_to_fp8, precision_map, revert_fp8
+from lightning_fp8 import FP8Conv1d, FP8Conv2d, FP8Layer, FP8Linear, FP8Recipe, convert_to_fp8, precision_map, revert_fp8
 from lightning_fp8.conversion import auto_filter, conversion_summary
 from lightning_fp8.conversion.shape_filter import CONVOLUTION_NOTE
 
@@ -174,3 +175,68 @@ def test_a_scaling_convolutions_have_no_path_for_keeps_them_in_bf16_and_the_laye
     with pytest.raises(ValueError, match=r"scaling='nvfp4' has no convolution path; valid choices: \['delayed', "
                                          r"'current', 'rowwise', 'blockwise'\]"):
         layer(torch.randn(1, 32, 5, 5))
+
+
+class Patchify(nn.Linear):
+    """A ViT patch embedding written as a linear over flattened p x p patches: a convolution with stride = kernel,
+    and an nn.Linear subclass with its own forward."""
+
+    def __init__(self, channels, dim, p):
+        super().__init__(channels * p * p, dim)
+        self.p = p
+
+    def forward(self, x):
+        return super().forward(F.unfold(x, self.p, stride=self.p).transpose(1, 2))
+
+
+class FP8Patchify(FP8Linear):
+    """Its FP8 layer: the same unfold, then FP8Linear's GEMMs."""
+
+    def forward(self, x):
+        return super().forward(F.unfold(x, self.p, stride=self.p).transpose(1, 2))
+
+
+class FP8StandardizedConv(FP8Conv2d, StandardizedConv):
+    """StandardizedConv's FP8 layer: FP8Conv2d's GEMMs on the standardized weight."""
+
+    def fp8_weight(self):
+        w = self.weight
+        return (w - w.mean()) / (w.std() + 1e-5)
+
+
+def _with_patch(layer, module):
+    layer.p = module.p
+    return layer
+
+
+def test_registered_kinds_of_subclasses_with_their_own_forward_convert_and_count_as_their_family(monkeypatch):
+    """A user's kind for a convolution (or linear) subclass with its own forward: before, linear_kind returned None
+    for any nn.Conv2d / nn.Linear subclass that replaced forward, before registered kinds were consulted, skipped every
+    registered kind of family "convolution", and family() called a converted non-FP8ConvNd layer "linear"."""
+    from lightning_fp8.conversion import kinds
+
+    monkeypatch.setattr(kinds, "_KINDS", list(kinds._KINDS))  # register_linear_kind's additions end with the test
+    here = __name__
+    kinds.register_linear_kind(kinds.LinearKind(
+        label="standardized conv", source=f"{here}.StandardizedConv", fp8_class=f"{here}:FP8StandardizedConv",
+        features=kinds._conv_features, build=lambda cls, m, r: cls.from_conv(m, r), family="convolution",
+        weight_shape=kinds._conv_weight_shape))
+    kinds.register_linear_kind(kinds.LinearKind(
+        label="patchify", source=f"{here}.Patchify", fp8_class=f"{here}:FP8Patchify",
+        features=lambda m: (m.in_features, m.out_features),
+        build=lambda cls, m, r: _with_patch(cls.from_linear(m, r), m), family="convolution"))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"patch": Patchify(16, 32, 2), "std": StandardizedConv(32, 32, 3),
+                           "grouped_narrow": StandardizedConv(32, 32, 1, groups=4)})
+    images, maps = torch.randn(2, 16, 8, 8), torch.randn(2, 32, 6, 6)
+    reference = model["patch"](images), model["std"](maps)
+    convert_to_fp8(model, NO_FIRST_LAST, verbose=False)
+    rows = {r.fqn: r for r in precision_map(model)}
+    assert isinstance(model["patch"], FP8Patchify) and isinstance(model["std"], FP8StandardizedConv)
+    assert {f: (r.precision, r.family) for f, r in rows.items()} == {
+        "patch": ("fp8", "convolution"), "std": ("fp8", "convolution"), "grouped_narrow": ("bf16", "convolution")}
+    assert rows["grouped_narrow"].reason.startswith("in/out channels per group 8x8 are not multiples of 16")
+    assert rows["patch"].module_type == "patchify" and kinds.family(model["patch"]) == "convolution"
+    outputs = model["patch"](images), model["std"](maps)
+    for out, ref in zip(outputs, reference):  # the subclasses' own computation, in FP8 (E4M3: ~3 % relative error)
+        assert out.shape == ref.shape and ((out - ref).norm() / ref.norm()).item() < 0.1

@@ -50,7 +50,7 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
         mismatch = parametrization_mismatch(module, kind.tensor_shapes(module))
         if mismatch is not None:
             return mismatch
-        if kind.family == "convolution":
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # a registered kind's convolution subclass too
             return convolution_skip_reason(module)
     in_features, out_features = kinds.features(module)
     if in_features % 16 or out_features % 16:

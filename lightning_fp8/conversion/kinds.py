@@ -5,10 +5,10 @@ layer that replaces it:
 
     nn.Linear                        -> FP8Linear  (lightning_fp8/modules/linear.py)
     transformers.pytorch_utils.Conv1D -> FP8Conv1D (lightning_fp8/modules/hf_conv1d.py), GPT-2's projections
-    nn.Conv1d / nn.Conv2d            -> FP8Conv1d / FP8Conv2d (lightning_fp8/modules/conv.py): one GEMM per group
-                                        over the unfolded input; their `family` is "convolution"
     MultiheadAttentionProjection     -> FP8MultiheadAttentionProjection (lightning_fp8/modules/attention.py): the q, k
                                         and v rows of an nn.MultiheadAttention made a module (conversion/attention.py)
+    nn.Conv1d / nn.Conv2d            -> FP8Conv1d / FP8Conv2d (lightning_fp8/modules/conv.py): one GEMM per group
+                                        over the unfolded input; their `family` is "convolution"
 
 The registry holds *names*, not classes: a kind is looked up only when the module that defines its class is already
 imported (a model cannot hold a `Conv1D` unless transformers is imported), so lightning-fp8 never imports transformers
@@ -117,7 +117,13 @@ HF_CONV1D = LinearKind(
     build=lambda cls, m, recipe: cls.from_conv1d(m, recipe),
     weight_transposed=True,
 )
-
+MHA_PROJECTION = LinearKind(
+    label="nn.MultiheadAttention projection",
+    source="lightning_fp8.modules.attention.MultiheadAttentionProjection",
+    fp8_class="lightning_fp8.modules.attention:FP8MultiheadAttentionProjection",
+    features=lambda m: (m.in_features, m.out_features),
+    build=lambda cls, m, recipe: cls.from_projection(m, recipe),
+)
 
 
 def _conv_features(m: nn.Module) -> Tuple[int, int]:
@@ -148,13 +154,8 @@ CONV2D = LinearKind(
 )
 #: the convolution classes and their kinds: a subclass counts when it keeps the class's forward and _conv_forward
 _CONV_KINDS = ((nn.Conv1d, CONV1D), (nn.Conv2d, CONV2D))
-MHA_PROJECTION = LinearKind(
-    label="nn.MultiheadAttention projection",
-    source="lightning_fp8.modules.attention.MultiheadAttentionProjection",
-    fp8_class="lightning_fp8.modules.attention:FP8MultiheadAttentionProjection",
-    features=lambda m: (m.in_features, m.out_features),
-    build=lambda cls, m, recipe: cls.from_projection(m, recipe),
-)
+#: the kinds `linear_kind` matches by base class (subclasses included) before the exact-class lookup of the others
+_BUILT_IN_BY_BASE_CLASS = (LINEAR, CONV1D, CONV2D)
 
 _KINDS: List[LinearKind] = [LINEAR, HF_CONV1D, MHA_PROJECTION, CONV1D, CONV2D]
 
@@ -175,18 +176,20 @@ def base_class(module: nn.Module) -> type:
 def linear_kind(module: nn.Module) -> Optional[LinearKind]:
     """The kind of a linear layer conversion can put in FP8, or None.
 
-    nn.Linear subclasses count only when they keep nn.Linear.forward (e.g. nn.MultiheadAttention's out_proj class):
-    a subclass with its own forward computes something else, and replacing it would drop that forward."""
+    nn.Linear / nn.Conv1d / nn.Conv2d subclasses take the built-in kind only when they keep its forward (e.g.
+    nn.MultiheadAttention's out_proj class): a subclass with its own forward computes something else, and the
+    built-in FP8 layer would drop that forward. Such a subclass converts only through a kind registered for exactly
+    its class (`register_linear_kind`), as any other class does."""
     if isinstance(module, FP8Layer):
         return None
     cls = base_class(module)
-    if issubclass(cls, nn.Linear):
-        return LINEAR if cls.forward is nn.Linear.forward else None
+    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
+        return LINEAR
     for conv_class, kind in _CONV_KINDS:
-        if issubclass(cls, conv_class):
-            return kind if _keeps_conv_forward(cls, conv_class) else None
+        if issubclass(cls, conv_class) and _keeps_conv_forward(cls, conv_class):
+            return kind
     for kind in _KINDS:
-        if kind is not LINEAR and kind.family != "convolution" and cls is kind.source_class() and _available(kind):
+        if kind not in _BUILT_IN_BY_BASE_CLASS and cls is kind.source_class() and _available(kind):
             return kind
     return None
 
@@ -205,23 +208,31 @@ def _available(kind: LinearKind) -> bool:
     return True
 
 
+def _kind_of_fp8_layer(layer: FP8Layer) -> Optional[LinearKind]:
+    """The kind whose FP8 class `layer` is (or extends: an FP8 class made by fp8_subclass); the most derived class
+    that is some kind's FP8 class wins, so a registered kind's subclass of FP8Conv2d is found before CONV2D."""
+    for klass in base_class(layer).__mro__:
+        for kind in reversed(_KINDS):  # registered kinds, appended last, before the built-in ones
+            if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
+                return kind
+    return None
+
+
 def label(module: nn.Module) -> str:
     """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
     cls = base_class(module)
-    if isinstance(module, FP8Layer):
-        for klass in cls.__mro__:  # an FP8 class made by fp8_subclass extends the kind's FP8 class
-            for kind in _KINDS:
-                if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
-                    return kind.label
-        return cls.__name__
-    kind = linear_kind(module)
+    kind = _kind_of_fp8_layer(module) if isinstance(module, FP8Layer) else linear_kind(module)
     return kind.label if kind is not None else cls.__name__
 
 
 def family(module: nn.Module) -> str:
-    """"linear" or "convolution": the family of a linear-kind layer, converted or not."""
+    """"linear" or "convolution": the family of a linear-kind layer, converted or not (of its kind, registered
+    kinds included)."""
     if isinstance(module, FP8Layer):
-        return "convolution" if isinstance(module, FP8ConvNd) else "linear"
+        kind = _kind_of_fp8_layer(module)
+        if kind is None:
+            return "convolution" if isinstance(module, FP8ConvNd) else "linear"
+        return kind.family
     kind = linear_kind(module)
     return kind.family if kind is not None else "linear"
 
