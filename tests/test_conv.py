@@ -182,13 +182,14 @@ def _tiled(t, tile):
     return dequantize_tiles(q, scale_inv, tile).double()
 
 
-@pytest.mark.parametrize("scaling,block", [("rowwise", 128), ("blockwise", 32)])
-def test_fine_grained_conv_equals_its_definition(scaling, block):
+@pytest.mark.parametrize("scaling,block,groups,dilation",
+                         [("rowwise", 128, 1, 1), ("blockwise", 32, 1, 1), ("blockwise", 32, 2, 2)])
+def test_fine_grained_conv_equals_its_definition(scaling, block, groups, dilation):
     """Rowwise / blockwise scales are per tile of the GEMM operands, so the definition unfolds first (torch's unfold,
-    columns in the layer's (kh, kw, c) order) and casts the unfolded matrices tile by tile; the input gradient folds
-    the columns' gradient back (torch's fold)."""
+    columns in the layer's (kh, kw, c) order) and casts the unfolded matrices tile by tile, each group's on its own
+    (its GEMMs are its own); the input gradient folds the columns' gradient back (torch's fold)."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(32, 48, 3, stride=2, padding=1)
+    conv = nn.Conv2d(32, 48, 3, stride=2, padding=1, groups=groups, dilation=dilation)
     recipe = FP8Recipe(scaling=scaling, block_size=block)
     fp8 = FP8Conv2d.from_conv(copy.deepcopy(conv), recipe)
     x = torch.randn(2, 32, 9, 9, requires_grad=True)
@@ -198,25 +199,28 @@ def test_fine_grained_conv_equals_its_definition(scaling, block):
     x_tile, x_tile_t = operand_tiles(scaling, block, "input")
     w_tile, w_tile_t = operand_tiles(scaling, block, "weight")
     g_tile, g_tile_t = operand_tiles(scaling, block, "grad_output")
-    cols = _cols(x.detach(), conv)
-    wm = conv.weight.detach().permute(0, 2, 3, 1).reshape(48, -1)
-    g2d = dy.permute(0, 2, 3, 1).reshape(-1, 48)
-    b = conv.bias.detach().double()
-
-    def gemms(cols, wm, g2d, bias, q):
-        y = q(cols, x_tile) @ q(wm, w_tile).t() + bias
-        dcols = q(g2d, g_tile) @ q(wm.t(), w_tile_t).t()
-        dw = q(g2d.t(), g_tile_t) @ q(cols.t(), x_tile_t).t()
-        return y, _fold(dcols, x.shape, conv), dw
-
-    y_ref, dx_ref, dw_ref = gemms(cols, wm, g2d, b, _tiled)
-    y_mag, dx_mag, dw_mag = gemms(cols, wm, g2d, b.abs(), lambda t, tile: _tiled(t, tile).abs())
     n, _, ho, wo = y.shape
+    cg, og = 32 // groups, 48 // groups
     as_nchw = lambda t: t.view(n, ho, wo, -1).permute(0, 3, 1, 2)  # noqa: E731
-    _within(y, as_nchw(y_ref), as_nchw(y_mag), wm.shape[1] + 1)
-    _within(x.grad, dx_ref, dx_mag, 48 * 9)
-    dw_layer = fp8.weight.grad.permute(0, 2, 3, 1).reshape(48, -1)
-    _within(dw_layer, dw_ref, dw_mag, n * ho * wo)
+    dw_layer = fp8.weight.grad.permute(0, 2, 3, 1)
+    for g in range(groups):
+        ins, outs = slice(g * cg, (g + 1) * cg), slice(g * og, (g + 1) * og)
+        cols = _cols(x.detach()[:, ins], conv)
+        wm = conv.weight.detach()[outs].permute(0, 2, 3, 1).reshape(og, -1)
+        g2d = dy[:, outs].permute(0, 2, 3, 1).reshape(-1, og)
+        b = conv.bias.detach()[outs].double()
+
+        def gemms(cols, wm, g2d, bias, q):
+            y = q(cols, x_tile) @ q(wm, w_tile).t() + bias
+            dcols = q(g2d, g_tile) @ q(wm.t(), w_tile_t).t()
+            dw = q(g2d.t(), g_tile_t) @ q(cols.t(), x_tile_t).t()
+            return y, _fold(dcols, (n, cg, 9, 9), conv), dw
+
+        y_ref, dx_ref, dw_ref = gemms(cols, wm, g2d, b, _tiled)
+        y_mag, dx_mag, dw_mag = gemms(cols, wm, g2d, b.abs(), lambda t, tile: _tiled(t, tile).abs())
+        _within(y[:, outs], as_nchw(y_ref), as_nchw(y_mag), wm.shape[1] + 1)
+        _within(x.grad[:, ins], dx_ref, dx_mag, og * 9)
+        _within(dw_layer[outs].reshape(og, -1), dw_ref, dw_mag, n * ho * wo)
 
 
 def test_saves_the_input_in_fp8_for_backward():
