@@ -179,7 +179,7 @@ def test_layers_conversion_would_change_are_left_alone_with_a_reason():
     Float8Linear.__module__ = "torchao.float8.float8_linear"
     FbgemmFp8Linear.__module__ = "transformers.integrations.fbgemm_fp8"
     model = nn.Sequential(nn.Linear(32, 64), Scaled(64, 64), Float8Linear(64, 64), nn.Linear(64, 64),
-                          nn.LazyLinear(64), nn.Conv1d(64, 64, 3), FbgemmFp8Linear(64, 64), nn.Linear(64, 32))
+                          nn.LazyLinear(64), nn.ConvTranspose1d(64, 64, 3), FbgemmFp8Linear(64, 64), nn.Linear(64, 32))
     wrapped = model[3]
     original_forward = wrapped.forward
     wrapped.forward = lambda x: original_forward(x) + 1  # replaced on the instance (as device-map hooks do)
@@ -189,7 +189,7 @@ def test_layers_conversion_would_change_are_left_alone_with_a_reason():
     assert rows["2"].precision == "fp8" and "converted to FP8 by torchao" in rows["2"].reason
     assert not isinstance(model[3], FP8Layer) and "replaced on the instance" in rows["3"].reason
     assert "LazyLinear not initialized" in rows["4"].reason
-    assert rows["5"].precision == "bf16" and rows["5"].reason.startswith("convolution")
+    assert rows["5"].precision == "bf16" and rows["5"].reason.startswith("transposed convolution: no FP8 path")
     assert rows["6"].precision == "fp8" and "converted to FP8 by transformers" in rows["6"].reason
     assert not any(isinstance(m, FP8Layer) for m in model)
 

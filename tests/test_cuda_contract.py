@@ -7,12 +7,12 @@ interpreter; the scaled-GEMM planning for that architecture), and this file chec
 
 - ops: `torch.library.opcheck` of every custom op on every implementation path (CPU twin, torch reference, Triton
   under the interpreter): the fake implementations (what torch.compile plans with) describe the real outputs;
-- GEMM contract: every scaled-GEMM call a full FP8Linear forward + backward makes, for every recipe, output dtype,
-  shape that matters and architecture, replayed on meta tensors against torch's own checks and against the rules
-  of lightning_fp8/modules/scaled_mm.py for what meta cannot see;
+- GEMM contract: every scaled-GEMM call a full FP8Linear (and FP8Conv2d / FP8Conv1d) forward + backward makes, for
+  every recipe, output dtype, shape (convolution geometry) that matters and architecture, replayed on meta tensors
+  against torch's own checks and against the rules of lightning_fp8/modules/scaled_mm.py for what meta cannot see;
 - GEMM numerics: the same argument preparation run through torch 2.13's CPU `_scaled_mm` equals the emulation;
 - compile: inductor with the implementations CUDA uses;
-- host syncs: none inside FP8Linear's forward / backward on the CUDA path.
+- host syncs: none inside FP8Linear's or FP8Conv2d's forward / backward on the CUDA path.
 
 Tests whose names contain "interp_" need the Triton interpreter from the start of the process;
 `test_interpreter_part` runs them in a fresh process with TRITON_INTERPRET=1.
@@ -255,6 +255,76 @@ def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
                 type(call)(**{**call.on_meta().__dict__, "scale_b": unpadded}).launch()
 
 
+# -- GEMM contract of FP8 convolutions ------------------------------------------------------------------------------
+from torch import nn  # noqa: E402
+
+from lightning_fp8.modules.conv import FP8Conv1d, FP8Conv2d  # noqa: E402
+
+#: (name, the nn.Conv to convert, input shape, channels-last input): the geometries whose GEMMs differ (the unfolded
+#: input, the stride-1 input gradient as a convolution, the strided one as GEMM + col2im, one GEMM triple per group,
+#: a 1x1 convolution's input read as it is, a Conv1d as the (1, k) case)
+CONV_CASES = [
+    ("3x3", lambda: nn.Conv2d(32, 64, 3, padding=1), (2, 32, 6, 5), False),
+    ("stride2", lambda: nn.Conv2d(32, 64, 3, stride=2, padding=1), (2, 32, 7, 6), False),
+    ("groups2", lambda: nn.Conv2d(32, 64, 3, padding=1, groups=2), (2, 32, 5, 5), False),
+    ("dilation2", lambda: nn.Conv2d(32, 64, 3, padding=2, dilation=2), (2, 32, 5, 6), False),
+    # M = K = N = 128 in all three GEMMs: the one case whose blockwise GEMMs run natively on sm90
+    ("1x1", lambda: nn.Conv2d(128, 128, 1), (2, 128, 8, 8), False),
+    ("conv1d", lambda: nn.Conv1d(32, 64, 5, stride=2, padding=2), (3, 32, 21), False),
+    ("channels_last", lambda: nn.Conv2d(32, 64, 3, stride=2, padding=1), (2, 32, 7, 6), True),
+]
+
+
+def conv_gemms(scaling, case, device="cpu", triton=False, dtype=torch.bfloat16):
+    """The GEMM requests of one FP8 convolution forward + backward (training) on the casts a CUDA machine runs:
+    3 per group (forward, input gradient, weight gradient), every operand as the layer hands it over."""
+    _, build, shape, channels_last = case
+    with simulate_cuda((9, 0), triton=triton), record_gemms() as records:
+        torch.manual_seed(0)
+        conv = build().to(device=device, dtype=dtype)
+        fp8 = (FP8Conv1d if isinstance(conv, nn.Conv1d) else FP8Conv2d).from_conv(conv, RECIPES[scaling])
+        x = torch.randn(shape, device=device, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        fp8(x.requires_grad_()).float().square().sum().backward()
+    assert len(records) == 3 * conv.groups, "forward, dgrad and wgrad per group"
+    return records
+
+
+def assert_b_column_major(records):
+    """The second operand of every GEMM reaches it column-major, the layout the scaled GEMM reads: the planner
+    passes it on as it is instead of copying it (`scaled_mm._packed`)."""
+    for ops in records:
+        k, n = ops.b.shape
+        assert n == 1 or ops.b.stride(0) == 1 and ops.b.stride(1) == k, (tuple(ops.shape), ops.b.stride())
+        if ops.b.device.type == "cpu" and k % 16 == 0 and n % 16 == 0:
+            plan = plan_scaled_mm(ops, target_for((9, 0)))
+            if isinstance(plan, ScaledMMCall):
+                assert plan.mat_b.data_ptr() == ops.b.data_ptr(), "the planner copied B"
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_conv_gemm_contract_cpu(case, scaling):
+    """Every GEMM of an FP8Conv2d / FP8Conv1d forward + backward (the unfolded input, the stride-1 input gradient as
+    a convolution of dy, the strided one as GEMM + col2im, one GEMM triple per group), built from the torch reference
+    casts CUDA runs without triton, planned for sm89 / sm90 / sm100 / sm120: valid under torch's checks and the
+    per-architecture rules, or refused with a reason exactly where the rules say; B column-major, so not copied."""
+    records = conv_gemms(scaling, case)
+    check_on_every_arch(records, scaling)
+    assert_b_column_major(records)
+
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_conv_gemm_contract_on_meta(scaling):
+    """The same on meta tensors, without triton and with the Triton casts (which write dy^T in the cast)."""
+    for triton in (False, True):
+        for case in (CONV_CASES[1], CONV_CASES[2]):
+            records = conv_gemms(scaling, case, device="meta", triton=triton)
+            check_on_every_arch(records, scaling)
+            assert_b_column_major(records)
+
+
 # -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------
 from lightning_fp8.modules.gemm import emulated_gemm  # noqa: E402
 from lightning_fp8.modules.scaled_mm import GemmOperands  # noqa: E402
@@ -476,6 +546,23 @@ def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
                 out.float().square().mean().backward()
             assert reads.calls == [], f"step {step}: {reads.calls}"
 
+
+@pytest.mark.parametrize("scaling", list(RECIPES))
+def test_no_host_sync_inside_fp8conv_forward_backward(scaling, monkeypatch):
+    """The same for FP8 convolutions (a 3x3 one, then a strided grouped one: the unfold, the input gradient as a
+    convolution and as GEMM + col2im, one GEMM triple per group): no device value read on the host."""
+    with simulate_cuda((9, 0), triton=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(FP8Conv2d.from_conv(nn.Conv2d(16, 32, 3, padding=1), RECIPES[scaling]), nn.GELU(),
+                              FP8Conv2d.from_conv(nn.Conv2d(32, 16, 3, stride=2, padding=1, groups=2),
+                                                  RECIPES[scaling]))
+        x = torch.randn(1, 16, 6, 6)
+        for step in range(2):  # step 2 runs with the delayed scales sized by the history
+            with HostReads(monkeypatch).active() as reads:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                out.float().square().mean().backward()
+            assert reads.calls == [], f"step {step}: {reads.calls}"
 
 def _train_iteration(engine, model, opt, counter, clip=None):
     opt.zero_grad()

@@ -60,6 +60,18 @@ def test_escalation_order():
     assert escalation_target(FP8Recipe(), "underflow", None) is None
 
 
+def test_a_layer_is_never_escalated_to_a_scaling_it_has_no_path_for():
+    """FP8LayerFallback passes the layer's `fp8_scalings`: an FP8 convolution (delayed, current, rowwise, blockwise
+    only) moves to BF16 instead of to a scaling it cannot run (FINE_GRAINED_SCALINGS may grow, e.g. an MX scaling
+    for linears); FP8Linear, which has a path for every scaling (`fp8_scalings` None), is escalated as before."""
+    from lightning_fp8 import FP8Conv2d, FP8Linear
+
+    assert FP8Conv2d.fp8_scalings == ("delayed", "current", "rowwise", "blockwise") and FP8Linear.fp8_scalings is None
+    assert escalation_target(FP8Recipe(), "underflow", "nvfp4", FP8Conv2d.fp8_scalings) is None
+    assert escalation_target(FP8Recipe(), "underflow", "blockwise", FP8Conv2d.fp8_scalings) == "blockwise"
+    assert escalation_target(FP8Recipe(), "sqnr", "rowwise", FP8Linear.fp8_scalings) == "rowwise"
+
+
 def test_escalation_is_kept_in_checkpoints_and_in_the_precision_map(tmp_path):
     """A resumed run has the escalated recipe again (the callback's state), with its reason in the precision map."""
     torch.manual_seed(0)

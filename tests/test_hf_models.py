@@ -115,7 +115,9 @@ def test_from_pretrained_would_report_fp8_metadata_as_unexpected(tmp_path):
     assert "model.layers.0.mlp.up_proj.fp8_meta.input.scale" in info["unexpected_keys"]
 
 
-def test_conv_only_model_warns_at_fit_start_naming_what_it_found():
+def test_model_with_nothing_in_fp8_warns_at_fit_start_naming_what_it_found():
+    """A bottleneck ResNet this narrow has no 16-aligned convolution but one 1x1 shortcut (the first, kept in BF16)
+    and an unaligned classifier: nothing converts, and fit start says so, naming what the model is made of."""
     model = resnet()
     module = HFModule(model)
     records = []
@@ -136,4 +138,6 @@ def test_conv_only_model_warns_at_fit_start_naming_what_it_found():
     message = str([w for w in caught if "no layer runs in FP8" in str(w.message)][0].message)
     assert "Conv2d x" in message and "BatchNorm2d x" in message and "Linear x1" in message
     summary = "\n".join(r.getMessage() for r in records if "lightning_fp8" in r.getMessage())
-    assert "0 of 1 linear layers run in FP8" in summary and "convolution: no FP8 path" in summary
+    assert "0 of 1 linear layers run in FP8" in summary and "0 of 8 convolutions run in FP8" in summary
+    assert "in/out channels 16x4 are not multiples of 16" in summary
+    assert "shortcut.convolution: first convolution kept in BF16 (recipe.keep_first_last_in_bf16; forward order, traced)" in summary

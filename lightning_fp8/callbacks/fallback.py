@@ -364,7 +364,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
     # -- switching ---------------------------------------------------------------------------------------------
     def _fall_back(self, trainer, pl_module, fqn: str, rule: str, roles: List[str], reason: str) -> None:
         layer = fp8_layers(pl_module)[fqn]
-        target = escalation_target(layer.recipe, rule, self.escalate_to)
+        target = escalation_target(layer.recipe, rule, self.escalate_to, layer.fp8_scalings)
         if target is not None:
             self._escalate(trainer, pl_module, layer, fqn, target, rule, roles, reason)
             return

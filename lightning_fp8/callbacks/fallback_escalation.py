@@ -13,7 +13,7 @@ rule never escalates (a NaN made in a layer is not a range problem): it moves th
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from lightning_fp8.recipe import FINE_GRAINED_SCALINGS, SCALING_ORDER, FP8Recipe
 
@@ -28,9 +28,14 @@ def check_escalate_to(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def escalation_target(recipe: FP8Recipe, rule: str, escalate_to: Optional[str]) -> Optional[str]:
-    """The scaling to move a layer to instead of BF16 (None: move it to BF16)."""
+def escalation_target(recipe: FP8Recipe, rule: str, escalate_to: Optional[str],
+                      layer_scalings: Optional[Tuple[str, ...]] = None) -> Optional[str]:
+    """The scaling to move a layer to instead of BF16 (None: move it to BF16). layer_scalings: the scalings the
+    layer has a path for (`FP8Layer.fp8_scalings`, None: all); a layer is never escalated to one outside them (an
+    FP8 convolution has no path for a scaling added to FP8Recipe after it)."""
     if escalate_to is None or rule not in ESCALATING_RULES:
+        return None
+    if layer_scalings is not None and escalate_to not in layer_scalings:
         return None
     if SCALING_ORDER[recipe.scaling] >= SCALING_ORDER[escalate_to]:
         return None  # already as fine as escalation goes: it did not help

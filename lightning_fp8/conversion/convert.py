@@ -1,6 +1,7 @@
-"""Model conversion: which linear layers become FP8 layers, and why the others do not.
+"""Model conversion: which linear layers and convolutions become FP8 layers, and why the others do not.
 
-    convert_to_fp8(model)   linear layers (nn.Linear, transformers' Conv1D, registered kinds) -> FP8 layers, in place
+    convert_to_fp8(model)   linear layers (nn.Linear, transformers' Conv1D, registered kinds) and convolutions
+                            (nn.Conv1d, nn.Conv2d) -> FP8 layers, in place
     revert_fp8(model)       FP8 layers -> the original classes (same Parameters, hooks, parametrizations)
     precision_map(model)    every GEMM-bearing module: FP8 or BF16 and why; on a model not converted yet, a preview
                             of what convert_to_fp8 would do
@@ -24,6 +25,7 @@ from lightning_fp8.conversion.filters import (
     ModuleFilter,
     filter_reason,
     rule_skip_reason,
+    scaling_skip_reason,
     structural_skip_reason,
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
@@ -44,8 +46,9 @@ class LayerPrecision:
     """One row of the precision map.
 
     precision: "fp8" or "bf16" (the compute dtype of everything that is not an FP8 GEMM); flops_per_token: the
-    layer's multiply-adds per token (in x out; 0 where it is not a linear GEMM, e.g. a convolution); preview: True
-    when the row says what `convert_to_fp8` would do to a model that is not converted."""
+    layer's multiply-adds per token (in x out; a convolution's per output position; 0 where unknown); preview: True
+    when the row says what `convert_to_fp8` would do to a model that is not converted; family: "linear",
+    "convolution" or "recurrent" (what the conversion summary counts it as)."""
 
     fqn: str
     precision: str
@@ -54,6 +57,7 @@ class LayerPrecision:
     flops_per_token: int = 0
     preview: bool = False
     scaling: str = ""  # an FP8 layer's scaling (its effective recipe's, e.g. "blockwise" after an escalation)
+    family: str = "linear"
 
 
 def convert_to_fp8(
@@ -90,6 +94,10 @@ def convert_to_fp8(
             continue
         kind = kinds.linear_kind(module)
         layer_recipe = recipe_for(fqn, recipe, per_layer)
+        unsupported = scaling_skip_reason(module, layer_recipe)  # a layer_recipes entry the layer has no path for
+        if unsupported is not None:
+            module.__dict__[SKIP_REASON_ATTR] = unsupported
+            continue
         new = transplant.to_fp8(module, lambda m, kind=kind, r=layer_recipe: kind.convert(m, r))
         if not fqn:
             model = new
@@ -130,7 +138,8 @@ def plan_conversion(
                 reason = module_filter.skip_reason(module, fqn)
             else:
                 reason = None if module_filter(module, fqn) else filter_reason(module_filter, module, fqn)
-            reason = structural_skip_reason(module) or reason  # what no filter can override
+            # what no filter can override
+            reason = structural_skip_reason(module) or scaling_skip_reason(module, recipe) or reason
         else:
             reason = rule_skip_reason(module, fqn, recipe)
             if reason is None:
@@ -138,7 +147,7 @@ def plan_conversion(
         decisions[fqn] = reason
     if module_filter is None and recipe.keep_first_last_in_bf16 and candidates:
         order = layer_order(model, candidates, example_input)
-        for fqn, reason in _first_last_reasons(order).items():
+        for fqn, reason in _first_last_reasons(order, model).items():
             if fqn in decisions:  # layers converted before keep their precision (converting twice is a no-op)
                 decisions[fqn] = reason
     return decisions
@@ -187,8 +196,8 @@ def precision_map(
     *,
     example_input: Any = AUTO,
 ) -> List[LayerPrecision]:
-    """Every linear layer of the model (and every other module that runs a GEMM: convolutions, the fused input
-    projection of nn.MultiheadAttention, layers another FP8 library converted), FP8 or BF16, and why.
+    """Every linear layer and convolution of the model (and every other module that runs a GEMM: recurrent layers,
+    the fused input projection of nn.MultiheadAttention, layers another FP8 library converted), FP8 or BF16, and why.
 
     On a converted model, what conversion and fallback decided. On a model `convert_to_fp8` has not run on, a preview:
     what it would do with `recipe` / `module_filter` (default: the default recipe and filter); rows have
@@ -218,28 +227,31 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
             label = kinds.label(module)
             flops = module.in_features * module.out_features
             scaling = module.recipe.scaling
+            family = kinds.family(module)
             if module.fp8_enabled:
                 note = getattr(module, "fp8_escalation_reason", None)
                 reason = f"converted; {note}" if note else "converted"
-                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling))
+                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling, family=family))
             else:
                 reason = module.fp8_disabled_reason or "fp8_enabled=False"
-                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling))
+                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, family=family))
             continue
         kind = kinds.linear_kind(module)
         if kind is not None:
             in_f, out_f = kind.features(module)
             if converted:
                 reason = module.__dict__.get(SKIP_REASON_ATTR, "not converted (not in the model when convert_to_fp8 ran)")
-                rows.append(LayerPrecision(fqn, "bf16", reason, kind.label, in_f * out_f))
+                rows.append(LayerPrecision(fqn, "bf16", reason, kind.label, in_f * out_f, family=kind.family))
             else:
                 reason = plan.get(fqn)
                 precision, reason = ("fp8", WOULD_CONVERT) if reason is None else ("bf16", reason)
-                rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True))
+                rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True,
+                                           family=kind.family))
             continue
         other = kinds.other_module(module)
         if other is not None:
-            rows.append(LayerPrecision(fqn, other.precision, other.reason, other.label, other.flops_per_token, not converted))
+            rows.append(LayerPrecision(fqn, other.precision, other.reason, other.label, other.flops_per_token,
+                                       not converted, family=other.family))
     return rows
 
 
@@ -263,16 +275,18 @@ def _check_recipe(recipe: Optional[FP8Recipe]) -> FP8Recipe:
     return recipe
 
 
-def _first_last_reasons(order: LayerOrder) -> Dict[str, str]:
+def _first_last_reasons(order: LayerOrder, model: nn.Module) -> Dict[str, str]:
     how = "forward order, traced" if order.method == "traced" else f"{order.method}: {order.note}"
     reasons: Dict[str, str] = {}
     for which, group in (("last", order.last()), ("first", order.first())):
         head = group[0]
+        module = model.get_submodule(head) if head else model
+        noun = "convolution" if kinds.family(module) == "convolution" else "linear layer"
         for fqn in group:
             if fqn == head:
-                reasons[fqn] = f"{which} linear layer kept in BF16 ({FIRST_LAST_SWITCH}; {how})"
+                reasons[fqn] = f"{which} {noun} kept in BF16 ({FIRST_LAST_SWITCH}; {how})"
             else:
-                reasons[fqn] = (f"reads the same input as {head}, the {which} linear layer: kept in BF16 with it "
+                reasons[fqn] = (f"reads the same input as {head}, the {which} {noun}: kept in BF16 with it "
                                 f"({FIRST_LAST_SWITCH}; {how})")
     return reasons
 

@@ -3,8 +3,10 @@
 Two kinds of rules, each returning the reason a layer stays in BF16 (None: convert it):
 
 - `structural_skip_reason`: the layer cannot become an FP8 layer as it is used, whatever the filter says
-  (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16; an uninitialized
-  LazyLinear; a forward replaced on the instance; a parametrization that changes the weight's shape).
+  (nn.MultiheadAttention calls its out-projection functionally; dimensions not multiples of 16 (a convolution's
+  channels per group); a depthwise convolution; an uninitialized LazyLinear / LazyConv; a forward replaced on the
+  instance; a parametrization that changes the weight's shape).
+- `scaling_skip_reason`: the layer has no FP8 path for the recipe's scaling (no filter overrides it either).
 - `default_skip_reason`: the default filter on top of those: `FP8Recipe.skip_patterns`, LoRA adapters, and the
   first / last rule (decided in lightning_fp8/conversion/order.py, over layers that would otherwise convert).
 
@@ -13,12 +15,14 @@ Two kinds of rules, each returning the reason a layer stays in BF16 (None: conve
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Callable, Optional
 
 from torch import nn
 
 from lightning_fp8.conversion import kinds
 from lightning_fp8.conversion.transplant import parametrization_mismatch
+from lightning_fp8.modules.conv_layout import PADDING_MODES
 from lightning_fp8.recipe import FP8Recipe
 
 #: module_filter(module, fqn) -> bool: True converts the layer
@@ -37,7 +41,7 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
             and not module.__dict__.get("_fp8_called_as_module")):  # see conversion/attention.py
         return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
     if isinstance(module._parameters.get("weight"), nn.parameter.UninitializedParameter):  # (no parametrized read)
-        return "LazyLinear not initialized yet (run one forward before conversion)"
+        return f"{type(module).__name__} not initialized yet (run one forward before conversion)"
     if "forward" in module.__dict__:
         return ("its forward is replaced on the instance (a wrapper or a library hook, e.g. Accelerate's device-map "
                 "hooks): an FP8 layer would bypass that replacement")
@@ -46,6 +50,8 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
         mismatch = parametrization_mismatch(module, kind.tensor_shapes(module))
         if mismatch is not None:
             return mismatch
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # a registered kind's convolution subclass too
+            return convolution_skip_reason(module)
     in_features, out_features = kinds.features(module)
     if in_features % 16 or out_features % 16:
         return (
@@ -53,6 +59,40 @@ def structural_skip_reason(module: nn.Module) -> Optional[str]:
             "(FP8 GEMMs need 16-aligned dimensions)"
         )
     return None
+
+
+def convolution_skip_reason(conv: nn.Module) -> Optional[str]:
+    """Why an nn.Conv1d / nn.Conv2d cannot run its GEMMs in FP8 (None: it can). Its GEMMs per group are
+    (N*Ho*Wo) x (kh*kw*C/g) x (O/g): 16-aligned when the channels per group are."""
+    if conv.padding_mode not in PADDING_MODES:
+        return f"padding_mode={conv.padding_mode!r}: no FP8 path (supported: {list(PADDING_MODES)})"
+    groups = conv.groups
+    c_in, c_out = conv.in_channels // groups, conv.out_channels // groups
+    if groups > 1 and c_in == 1:
+        return (f"depthwise convolution (groups={groups}): each channel is its own GEMM of K = "
+                f"{c_in * math.prod(conv.kernel_size)}, N = {c_out}, too small for FP8 to pay off (and not 16-aligned)")
+    if c_in % 16 or c_out % 16:
+        per_group = " per group" if groups > 1 else ""
+        return (f"in/out channels{per_group} {c_in}x{c_out} are not multiples of 16 (FP8 GEMMs need 16-aligned "
+                "dimensions)")
+    return None
+
+
+def scaling_skip_reason(module: nn.Module, recipe: FP8Recipe) -> Optional[str]:
+    """Why a layer cannot run the recipe's scaling (None: it can): its FP8 layer has no path for it (`fp8_scalings`;
+    FP8 convolutions run the per-tensor and the tiled scalings only). Asked of the FP8 class, so a scaling added to
+    FP8Recipe later stays out of such layers until they get a path for it, and so does a registered kind's layer."""
+    kind = kinds.linear_kind(module)
+    if kind is None:
+        return None
+    try:
+        scalings = kind.fp8_layer_class().fp8_scalings
+    except ImportError:
+        return None
+    if scalings is None or recipe.scaling in scalings:
+        return None
+    return (f"FP8Recipe.scaling={recipe.scaling!r}: {kind.label} has no FP8 path for it (valid choices: "
+            f"{list(scalings)})")
 
 
 def is_lora_adapter(fqn: str) -> bool:
@@ -63,7 +103,7 @@ def is_lora_adapter(fqn: str) -> bool:
 
 def rule_skip_reason(module: nn.Module, fqn: str, recipe: FP8Recipe) -> Optional[str]:
     """The default filter's reasons other than first / last (None: the layer is a first/last candidate)."""
-    structural = structural_skip_reason(module)
+    structural = structural_skip_reason(module) or scaling_skip_reason(module, recipe)
     if structural is not None:
         return structural
     for pattern in recipe.skip_patterns:
@@ -101,6 +141,8 @@ __all__ = [
     "ModuleFilter",
     "SKIP_REASON_ATTR",
     "structural_skip_reason",
+    "convolution_skip_reason",
+    "scaling_skip_reason",
     "rule_skip_reason",
     "default_skip_reason",
     "filter_reason",

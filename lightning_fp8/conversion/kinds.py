@@ -1,23 +1,27 @@
-"""Which module classes are linear layers conversion can put in FP8, and how every other GEMM-bearing module is named.
+"""Which module classes conversion can put in FP8, and how every other GEMM-bearing module is named.
 
-A *linear kind* is a class whose forward is y = x W^T + b in some storage layout, with the FP8 layer that replaces it:
+A *linear kind* is a class whose forward is GEMMs with a weight, y = x W^T + b in some storage layout, with the FP8
+layer that replaces it:
 
     nn.Linear                        -> FP8Linear  (lightning_fp8/modules/linear.py)
     transformers.pytorch_utils.Conv1D -> FP8Conv1D (lightning_fp8/modules/hf_conv1d.py), GPT-2's projections
     MultiheadAttentionProjection     -> FP8MultiheadAttentionProjection (lightning_fp8/modules/attention.py): the q, k
                                         and v rows of an nn.MultiheadAttention made a module (conversion/attention.py)
+    nn.Conv1d / nn.Conv2d            -> FP8Conv1d / FP8Conv2d (lightning_fp8/modules/conv.py): one GEMM per group
+                                        over the unfolded input; their `family` is "convolution"
 
 The registry holds *names*, not classes: a kind is looked up only when the module that defines its class is already
 imported (a model cannot hold a `Conv1D` unless transformers is imported), so lightning-fp8 never imports transformers
 itself. `register_linear_kind` adds a class of your own.
 
-`other_module(module)` names the modules conversion leaves alone and why (convolutions, nn.MultiheadAttention's fused
-input projection, layers another FP8 library already converted, subclasses that replace nn.Linear.forward), so the
-precision map covers every module that runs a GEMM-like operation.
+`other_module(module)` names the modules conversion leaves alone and why (transposed and 3-D convolutions, recurrent
+layers, nn.MultiheadAttention's fused input projection, layers another FP8 library already converted, subclasses that
+replace their class's forward), so the precision map covers every module that runs a GEMM-like operation.
 """
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -25,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lightning_fp8.modules.conv import FP8ConvNd
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
 
@@ -34,8 +39,11 @@ class LinearKind:
     """A linear-like module class and the FP8 layer that replaces it.
 
     source: the class's qualified name ("module.Class"); fp8_class: "module:Class" of its FP8Layer;
-    features(module) -> (in_features, out_features); build(fp8_class, module, recipe) -> the FP8 layer, reusing the
-    module's Parameters; weight_transposed: the weight is stored (in, out) instead of (out, in)."""
+    features(module) -> (in_features, out_features) of its GEMMs (a convolution: (C/groups x kernel, out channels),
+    so in x out is its multiply-adds per output position); build(fp8_class, module, recipe) -> the FP8 layer, reusing
+    the module's Parameters; weight_transposed: the weight is stored (in, out) instead of (out, in); family: "linear"
+    or "convolution" (how the conversion summary counts it); weight_shape(module): the weight's shape where it is not
+    the (out, in) matrix (a convolution's (out, in/groups, *kernel))."""
 
     label: str
     source: str
@@ -43,11 +51,17 @@ class LinearKind:
     features: Callable[[nn.Module], Tuple[int, int]]
     build: Callable[[type, nn.Module, FP8Recipe], FP8Layer]
     weight_transposed: bool = False
+    family: str = "linear"
+    weight_shape: Optional[Callable[[nn.Module], Tuple[int, ...]]] = None
 
     def tensor_shapes(self, module: nn.Module) -> Dict[str, Tuple[int, ...]]:
         """The shapes the FP8 layer relies on: its weight's and its bias's."""
         in_f, out_f = self.features(module)
-        return {"weight": (in_f, out_f) if self.weight_transposed else (out_f, in_f), "bias": (out_f,)}
+        if self.weight_shape is not None:
+            weight = tuple(self.weight_shape(module))
+        else:
+            weight = (in_f, out_f) if self.weight_transposed else (out_f, in_f)
+        return {"weight": weight, "bias": (out_f,)}
 
     def source_class(self) -> Optional[type]:
         """The class, if its module is imported (else no instance can exist)."""
@@ -103,7 +117,6 @@ HF_CONV1D = LinearKind(
     build=lambda cls, m, recipe: cls.from_conv1d(m, recipe),
     weight_transposed=True,
 )
-
 MHA_PROJECTION = LinearKind(
     label="nn.MultiheadAttention projection",
     source="lightning_fp8.modules.attention.MultiheadAttentionProjection",
@@ -112,7 +125,39 @@ MHA_PROJECTION = LinearKind(
     build=lambda cls, m, recipe: cls.from_projection(m, recipe),
 )
 
-_KINDS: List[LinearKind] = [LINEAR, HF_CONV1D, MHA_PROJECTION]
+
+def _conv_features(m: nn.Module) -> Tuple[int, int]:
+    return m.in_channels // m.groups * math.prod(m.kernel_size), m.out_channels
+
+
+def _conv_weight_shape(m: nn.Module) -> Tuple[int, ...]:
+    return (m.out_channels, m.in_channels // m.groups, *m.kernel_size)
+
+
+CONV1D = LinearKind(
+    label="nn.Conv1d",
+    source="torch.nn.modules.conv.Conv1d",
+    fp8_class="lightning_fp8.modules.conv:FP8Conv1d",
+    features=_conv_features,
+    build=lambda cls, m, recipe: cls.from_conv(m, recipe),
+    family="convolution",
+    weight_shape=_conv_weight_shape,
+)
+CONV2D = LinearKind(
+    label="nn.Conv2d",
+    source="torch.nn.modules.conv.Conv2d",
+    fp8_class="lightning_fp8.modules.conv:FP8Conv2d",
+    features=_conv_features,
+    build=lambda cls, m, recipe: cls.from_conv(m, recipe),
+    family="convolution",
+    weight_shape=_conv_weight_shape,
+)
+#: the convolution classes and their kinds: a subclass counts when it keeps the class's forward and _conv_forward
+_CONV_KINDS = ((nn.Conv1d, CONV1D), (nn.Conv2d, CONV2D))
+#: the kinds `linear_kind` matches by base class (subclasses included) before the exact-class lookup of the others
+_BUILT_IN_BY_BASE_CLASS = (LINEAR, CONV1D, CONV2D)
+
+_KINDS: List[LinearKind] = [LINEAR, HF_CONV1D, MHA_PROJECTION, CONV1D, CONV2D]
 
 
 def register_linear_kind(kind: LinearKind) -> None:
@@ -131,17 +176,28 @@ def base_class(module: nn.Module) -> type:
 def linear_kind(module: nn.Module) -> Optional[LinearKind]:
     """The kind of a linear layer conversion can put in FP8, or None.
 
-    nn.Linear subclasses count only when they keep nn.Linear.forward (e.g. nn.MultiheadAttention's out_proj class):
-    a subclass with its own forward computes something else, and replacing it would drop that forward."""
+    nn.Linear / nn.Conv1d / nn.Conv2d subclasses take the built-in kind only when they keep its forward (e.g.
+    nn.MultiheadAttention's out_proj class): a subclass with its own forward computes something else, and the
+    built-in FP8 layer would drop that forward. Such a subclass converts only through a kind registered for exactly
+    its class (`register_linear_kind`), as any other class does."""
     if isinstance(module, FP8Layer):
         return None
     cls = base_class(module)
-    if issubclass(cls, nn.Linear):
-        return LINEAR if cls.forward is nn.Linear.forward else None
+    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
+        return LINEAR
+    for conv_class, kind in _CONV_KINDS:
+        if issubclass(cls, conv_class) and _keeps_conv_forward(cls, conv_class):
+            return kind
     for kind in _KINDS:
-        if kind is not LINEAR and cls is kind.source_class() and _available(kind):
+        if kind not in _BUILT_IN_BY_BASE_CLASS and cls is kind.source_class() and _available(kind):
             return kind
     return None
+
+
+def _keeps_conv_forward(cls: type, conv_class: type) -> bool:
+    """A convolution subclass computes what its class does only if it keeps both forward and _conv_forward (weight
+    standardization and "same"-padding variants override one of them)."""
+    return cls.forward is conv_class.forward and cls._conv_forward is conv_class._conv_forward
 
 
 def _available(kind: LinearKind) -> bool:
@@ -152,17 +208,33 @@ def _available(kind: LinearKind) -> bool:
     return True
 
 
+def _kind_of_fp8_layer(layer: FP8Layer) -> Optional[LinearKind]:
+    """The kind whose FP8 class `layer` is (or extends: an FP8 class made by fp8_subclass); the most derived class
+    that is some kind's FP8 class wins, so a registered kind's subclass of FP8Conv2d is found before CONV2D."""
+    for klass in base_class(layer).__mro__:
+        for kind in reversed(_KINDS):  # registered kinds, appended last, before the built-in ones
+            if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
+                return kind
+    return None
+
+
 def label(module: nn.Module) -> str:
     """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
     cls = base_class(module)
-    if isinstance(module, FP8Layer):
-        for klass in cls.__mro__:  # an FP8 class made by fp8_subclass extends the kind's FP8 class
-            for kind in _KINDS:
-                if kind.fp8_class == f"{klass.__module__}:{klass.__name__}":
-                    return kind.label
-        return cls.__name__
-    kind = linear_kind(module)
+    kind = _kind_of_fp8_layer(module) if isinstance(module, FP8Layer) else linear_kind(module)
     return kind.label if kind is not None else cls.__name__
+
+
+def family(module: nn.Module) -> str:
+    """"linear" or "convolution": the family of a linear-kind layer, converted or not (of its kind, registered
+    kinds included)."""
+    if isinstance(module, FP8Layer):
+        kind = _kind_of_fp8_layer(module)
+        if kind is None:
+            return "convolution" if isinstance(module, FP8ConvNd) else "linear"
+        return kind.family
+    kind = linear_kind(module)
+    return kind.family if kind is not None else "linear"
 
 
 def features(module: nn.Module) -> Tuple[int, int]:
@@ -182,7 +254,7 @@ FOREIGN_FP8 = {"torchao": "torchao", "transformer_engine": "Transformer Engine",
 FOREIGN_FP8_CLASSES = {"Float8Linear", "MXLinear", "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear",
                        "FP8Linear", "ScalingLinear"}
 
-NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear, transformers' Conv1D and nn.MultiheadAttention's projections)"
+NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections, nn.Conv1d and nn.Conv2d)"
 
 
 @dataclass(frozen=True)
@@ -193,6 +265,7 @@ class OtherModule:
     reason: str
     label: str
     flops_per_token: int = 0
+    family: str = "linear"  # "linear", "convolution" or "recurrent": how the conversion summary counts it
 
 
 def other_module(module: nn.Module) -> Optional[OtherModule]:
@@ -235,11 +308,48 @@ def other_module(module: nn.Module) -> Optional[OtherModule]:
             "MultiheadAttention (in_proj)",
             e * e + module.kdim * e + module.vdim * e,
         )
+    for conv_class in (nn.Conv1d, nn.Conv2d):
+        if issubclass(cls, conv_class):  # a subclass that replaces forward or _conv_forward (linear_kind said no)
+            return OtherModule(
+                "bf16",
+                f"{cls.__module__}.{name} replaces {conv_class.__name__}.forward or _conv_forward: converting it "
+                "would drop that code, so it is left as it is",
+                name, 0, "convolution",
+            )
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return OtherModule("bf16", f"transposed convolution: {NO_FP8_PATH}", name, 0, "convolution")
+    if isinstance(module, nn.Conv3d):
+        return OtherModule("bf16", f"3-D convolution: {NO_FP8_PATH}", name, 0, "convolution")
     if isinstance(module, nn.modules.conv._ConvNd):
-        return OtherModule("bf16", f"convolution: {NO_FP8_PATH}", name)
+        return OtherModule("bf16", f"convolution: {NO_FP8_PATH}", name, 0, "convolution")
+    if isinstance(module, nn.RNNBase):
+        return OtherModule("bf16", _recurrent_reason(module), name, _recurrent_flops(module), "recurrent")
     if isinstance(module, nn.Bilinear):
         return OtherModule("bf16", f"bilinear layer: {NO_FP8_PATH}", name)
     return None
+
+
+#: GEMMs per time step and layer of each recurrent class (input and hidden projections of every gate)
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+def _recurrent_reason(module: nn.RNNBase) -> str:
+    return (f"recurrent layer ({type(module).__name__}): its input and hidden projections run inside one fused kernel "
+            "over all time steps (torch's _VF / cuDNN RNN), never through a linear module: " + NO_FP8_PATH
+            + "; docs/models.md says how to run one in FP8")
+
+
+def _recurrent_flops(module: nn.RNNBase) -> int:
+    """Multiply-adds per token of every layer and direction: gates x hidden x (input + hidden)."""
+    gates = _GATES.get(module.mode, 1)
+    directions = 2 if module.bidirectional else 1
+    hidden = module.hidden_size
+    proj = module.proj_size if getattr(module, "proj_size", 0) else hidden
+    total = 0
+    for layer in range(module.num_layers):
+        inputs = module.input_size if layer == 0 else proj * directions
+        total += directions * gates * hidden * (inputs + proj)
+    return total
 
 
 def _fp8_by_name(name: str) -> bool:
@@ -266,6 +376,9 @@ __all__ = [
     "LinearKind",
     "LINEAR",
     "HF_CONV1D",
+    "CONV1D",
+    "CONV2D",
+    "family",
     "MHA_PROJECTION",
     "register_linear_kind",
     "linear_kind",

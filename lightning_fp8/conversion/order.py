@@ -15,7 +15,8 @@ How the order and the groups are found:
   no state change); otherwise as a real forward in eval mode under `torch.no_grad()`, with the RNG state restored.
   Layers the traced forward does not run are never first or last. Example inputs come from, in this order: the
   `example_input` argument of `convert_to_fp8` / `precision_map`; a LightningModule's `example_input_array`; a
-  Hugging Face model's own (`dummy_inputs`, or a `pixel_values` image of the config's size for vision models). A
+  Hugging Face model's own (`dummy_inputs`, or a `pixel_values` image of the config's size for vision models, 224
+  where the config has none, as convolutional models' configs do). A
   model without one is searched for Hugging Face submodules, which are traced on their own.
 - **module order** (no example input, or the forward failed): the order the layers were registered in, each layer a
   group of its own; the reason in the precision map says so.
@@ -33,6 +34,8 @@ from torch.utils._pytree import tree_map
 
 #: `example_input` value meaning "look for one on the model"
 AUTO = "auto"
+#: the image size of a Hugging Face vision model's example input when its config has none
+VISION_DEFAULT_SIZE = 224
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ def _hf_example_input(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
     if config is None or not isinstance(main, str) or not hasattr(type(module), "dummy_inputs"):
         return None
     if main == "pixel_values":
-        size = getattr(config, "image_size", None)
+        # convolutional models (ResNet, ConvNeXt) take any size and have no image_size: 224, their pretraining size
+        size = getattr(config, "image_size", VISION_DEFAULT_SIZE)
         channels = getattr(config, "num_channels", 3)
         if isinstance(size, (list, tuple)):
             size = size[0]

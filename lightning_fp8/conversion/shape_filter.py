@@ -15,7 +15,9 @@ project yet: no GPU run has happened, see docs/status.md): good enough to keep 4
 GPU; the table below is where to put what it finds.
 
 On CPU, or a GPU without FP8 tensor cores, FP8 is emulated: there is no speed to win or lose, so nothing is
-filtered ("FP8 emulated: no speed model").
+filtered ("FP8 emulated: no speed model"). Convolutions are left to the default rules (converted where they can run
+in FP8): the model's M is tokens per step, and a convolution's M is its number of output positions, which the filter
+does not know.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from lightning_fp8.conversion import kinds
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, structural_skip_reason
 
 EMULATED_REASON = "FP8 emulated: no speed model"
+#: what the filter decides for a convolution that can run in FP8: it has no speed model for them
+CONVOLUTION_NOTE = ("convolution: no speed model (its GEMMs' M is the number of output positions, not "
+                    "tokens_per_batch); converted, as the default filter does")
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,10 @@ class AutoShapeFilter:
         if kinds.linear_kind(module) is None:
             return "not a linear layer conversion knows (lightning_fp8/conversion/kinds.py)"
         reason = structural_skip_reason(module)
+        if reason is None and kinds.linear_kind(module).family == "convolution":
+            # tokens_per_batch is not a convolution's M (output positions per step, which differ from layer to layer)
+            self.decisions[fqn] = (True, CONVOLUTION_NOTE)
+            return None
         if reason is None:
             device = self.device if self.device is not None else _device(module)
             in_features, out_features = kinds.features(module)

@@ -1,9 +1,12 @@
-"""The conversion summary: how much of the model's linear work runs in FP8, what stays in BF16 and why.
+"""The conversion summary: how much of the model's linear and convolution work runs in FP8, what stays in BF16 and why.
 
 Logged once when a model is converted (by `convert_to_fp8`, and by every adapter at fit start through the
 framework's logging), so nobody trains in BF16 believing it is FP8. The measure is linear FLOPs per token: the sum
 of in x out over the linear layers (the same per-token factor multiplies every layer, so the share is the share of
-the model's linear GEMM work). A warning names the module types found when nothing or little converts.
+the model's linear GEMM work). Convolutions are counted on their own line, in multiply-adds per output position
+(C/groups x kernel x out channels): their layers see feature maps of different sizes, so this share weighs a layer by
+its per-position cost, not by its share of an image's work. A warning names the module types found when nothing or
+little of the GEMM work (linear, convolution and recurrent layers together) converts.
 """
 from __future__ import annotations
 
@@ -35,19 +38,41 @@ class ConversionSummary:
 
     @property
     def linear_rows(self) -> List[LayerPrecision]:
-        return [r for r in self.rows if r.flops_per_token]
+        return [r for r in self.rows if r.flops_per_token and r.family == "linear"]
+
+    @property
+    def conv_rows(self) -> List[LayerPrecision]:
+        """Every convolution, FP8 or not (transposed and 3-D ones included, with 0 multiply-adds counted)."""
+        return [r for r in self.rows if r.family == "convolution"]
 
     @property
     def fp8_flops(self) -> int:
-        return sum(r.flops_per_token for r in self.rows if r.precision == "fp8")
+        return sum(r.flops_per_token for r in self.rows if r.precision == "fp8" and r.family == "linear")
 
     @property
     def linear_flops(self) -> int:
-        return sum(r.flops_per_token for r in self.rows)
+        return sum(r.flops_per_token for r in self.rows if r.family == "linear")
 
     @property
     def fp8_share(self) -> float:
+        """The share of linear FLOPs per token in FP8."""
         return self.fp8_flops / self.linear_flops if self.linear_flops else 0.0
+
+    @property
+    def conv_fp8_flops(self) -> int:
+        return sum(r.flops_per_token for r in self.conv_rows if r.precision == "fp8")
+
+    @property
+    def conv_flops(self) -> int:
+        return sum(r.flops_per_token for r in self.conv_rows)
+
+    @property
+    def gemm_fp8_share(self) -> float:
+        """The share in FP8 of all GEMM multiply-adds counted (linear per token, convolution per output position,
+        recurrent per token): what the warning reads."""
+        total = sum(r.flops_per_token for r in self.rows)
+        fp8 = sum(r.flops_per_token for r in self.rows if r.precision == "fp8")
+        return fp8 / total if total else 0.0
 
     @property
     def preview(self) -> bool:
@@ -55,12 +80,22 @@ class ConversionSummary:
 
     def text(self) -> str:
         linear = self.linear_rows
+        convs = self.conv_rows
         n_fp8 = sum(1 for r in linear if r.precision == "fp8")
         verb = "would run" if self.preview else "run"
-        lines = [
-            f"lightning_fp8: {n_fp8} of {len(linear)} linear layers {verb} in FP8: {self.fp8_share:.1%} of linear "
-            f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
-        ]
+        lines = []
+        if linear or not convs:
+            lines.append(
+                f"lightning_fp8: {n_fp8} of {len(linear)} linear layers {verb} in FP8: {self.fp8_share:.1%} of linear "
+                f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
+            )
+        if convs:
+            n_conv = sum(1 for r in convs if r.precision == "fp8")
+            share = self.conv_fp8_flops / self.conv_flops if self.conv_flops else 0.0
+            lines.append(
+                f"lightning_fp8: {n_conv} of {len(convs)} convolutions {verb} in FP8: {share:.1%} of convolution "
+                f"multiply-adds per output position ({self.conv_fp8_flops:,} of {self.conv_flops:,})."
+            )
         foreign = [r for r in self.rows if r.precision == "fp8" and r.reason != "converted" and not r.preview]
         if foreign:
             lines.append(f"  {len(foreign)} of them converted by another library: {_names([r.fqn for r in foreign])}")
@@ -78,17 +113,18 @@ class ConversionSummary:
 
     def warning(self) -> Optional[str]:
         """A warning when nothing or little of the model runs in FP8, naming what the model is made of."""
-        if self.fp8_flops and self.fp8_share >= LITTLE_FP8_SHARE:
+        share = self.gemm_fp8_share
+        if share >= LITTLE_FP8_SHARE:
             return None
         found = ", ".join(f"{name} x{count}" for name, count in self.module_types.items()) or "no module with parameters"
-        if self.fp8_flops:
-            head = f"only {self.fp8_share:.1%} of the linear FLOPs " + ("would run" if self.preview else "run")
+        if share:
+            head = f"only {share:.1%} of the GEMM multiply-adds " + ("would run" if self.preview else "run")
         else:
             head = "no layer " + ("would run" if self.preview else "runs")
         return (
             f"lightning_fp8: {head} in FP8. The model is made of: {found}. FP8 covers linear layers "
-            "(nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections); convolutions and the other "
-            "modules run in BF16. See precision_map(model) for the reason of every layer."
+            "(nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections) and convolutions (nn.Conv1d, "
+            "nn.Conv2d); the other modules run in BF16. See precision_map(model) for the reason of every layer."
         )
 
 

@@ -103,12 +103,7 @@ class FP8Gemms(torch.autograd.Function):
         g = grad_out
         if ctx.observer is not None:
             ctx.observer("grad_output", g)
-        noise = torch.rand(g.shape, device=g.device, dtype=torch.float32) if cfg.grad_stochastic else None
-        materialize = needs_wgrad and kernels.materializes_transpose(g)
-        g_fp8, g_t, _, g_scale_inv = kernels.scaled_cast(
-            g, history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.grad_scaling, cfg.algo_max, cfg.margin,
-            cfg.power_of_2, write_t=materialize, record=cfg.record, noise=noise,
-        )
+        g_fp8, g_t, g_scale_inv = cast_gradient(g, history, cfg, write_t=needs_wgrad and kernels.materializes_transpose(g))
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)
@@ -133,6 +128,18 @@ class FP8Gemms(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
+def cast_gradient(g: torch.Tensor, history: torch.Tensor, cfg: GemmConfig, write_t: bool):
+    """The backward's cast of the output gradient g (2-D) as grad_output under `cfg`: (g_fp8, g_fp8^T or None,
+    scale_inv), recording g's amax into the layer's history in training. Shared by every per-tensor FP8 layer's
+    backward (FP8Linear's here, the convolutions' in conv_function.py), so the gradient cast is defined once."""
+    noise = torch.rand(g.shape, device=g.device, dtype=torch.float32) if cfg.grad_stochastic else None
+    g_fp8, g_t, _, g_scale_inv = kernels.scaled_cast(
+        g, history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.grad_scaling, cfg.algo_max, cfg.margin,
+        cfg.power_of_2, write_t=write_t, record=cfg.record, noise=noise,
+    )
+    return g_fp8, g_t, g_scale_inv
+
+
 def _fmt(name: str):
     return get_format(name)
 
@@ -154,4 +161,4 @@ def apply_fp8_gemms(
     return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg)
 
 
-__all__ = ["FP8Gemms", "GemmConfig", "apply_fp8_gemms"]
+__all__ = ["FP8Gemms", "GemmConfig", "apply_fp8_gemms", "cast_gradient"]

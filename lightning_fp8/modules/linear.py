@@ -8,7 +8,7 @@ state changed per call, so `torch.compile` traces a converted model as one graph
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ class FP8Layer(nn.Module):
 
     in_features: int
     out_features: int
+    #: the FP8Recipe scalings this layer has a path for; None: every one the recipe accepts. Conversion keeps a layer
+    #: whose recipe asks for another in BF16 with that reason, and FP8LayerFallback does not escalate it there.
+    fp8_scalings: Optional[Tuple[str, ...]] = None
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
         self.fp8_meta = FP8LinearMeta(recipe if recipe is not None else FP8Recipe(), device=device)
@@ -133,15 +136,26 @@ class FP8Layer(nn.Module):
         weight = resolve_precast(weight, recipe, self.training, fp8)
         if autocast_state.calibrating:
             self._record_calibration(x, weight)
-            return F.linear(x, weight, self.bias)
+            return self.high_precision_forward(x, weight)
         if not (self._fp8_enabled and autocast_state.enabled):
-            return F.linear(x, weight, self.bias)
+            return self.high_precision_forward(x, weight)
         # training mode records amaxes and uses the recipe's scaling; eval mode casts with current scaling and leaves
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
         training = self.training
         self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
+        return self.fp8_forward(x, weight, recipe, training, observer)
+
+    def high_precision_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The layer's own computation without FP8 (BF16 under autocast): what fallback, calibration and
+        `fp8_autocast(enabled=False)` run. A linear: F.linear; another FP8 layer class overrides it."""
+        return F.linear(x, weight, self.bias)
+
+    def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, recipe: FP8Recipe, training: bool, observer) -> torch.Tensor:
+        """The casts and the three FP8 GEMMs of y = x W^T + b (`weight` from `fp8_weight()`); training=True records
+        amaxes and uses the recipe's scaling. Another FP8 layer class (a convolution) overrides it with its own GEMMs,
+        and the switch, calibration, scale close and observer above stay shared."""
         if observer is not None:
             observer("input", x)
             observer("weight", observed_weight(weight))
