@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from lightning_fp8.conversion.summary import PREPARED_ATTR
 from lightning_fp8.distributed.sequence_parallel import (
     REDUCE_PRECISIONS,
     InputCast,
@@ -57,6 +58,7 @@ from lightning_fp8.modules.tensor_parallel import LAYOUT_ATTR, TensorParallelLay
 
 #: set on a module by the styles below: the list of styles applied to it (the plugins resolve their communication)
 STYLES_ATTR = "_fp8_tensor_parallel_styles"
+
 
 _warned_uneven = False
 
@@ -120,6 +122,7 @@ def _gather_or_none(x: Any, layer: nn.Module, input_layout, desired_layout, mesh
             x = x.redistribute(placements=(input_layout,))
         x = x.to_local()
     comm = SequenceComm(mesh.get_group(), seq, style.reduce_precision)
+    localize_fp8_state(layer)  # torch's ColwiseParallel on the layer made its FP8 metadata replicated DTensors
     layer.close_pending_step()  # its forward does this first: the cast must use the closed history
     return gather_in_fp8(x, InputCast(layer, key), comm)
 
@@ -177,8 +180,8 @@ class FP8ColwiseParallel(_FP8Communication, ColwiseParallel):
 
     def tensor_parallel_layout(self) -> TensorParallelLayout:
         sequence_parallel = _sequence_dim(self.input_layouts[0], self.desired_input_layouts[0], 3) is not None
-        return TensorParallelLayout(
-            "colwise", "FP8ColwiseParallel", "all-gather of the sequence-parallel input" if sequence_parallel else "")
+        return TensorParallelLayout("colwise", "FP8ColwiseParallel",
+                                    "all-gather of the sequence-parallel input" if sequence_parallel else None)
 
 
 class FP8RowwiseParallel(_FP8Communication, RowwiseParallel):
@@ -218,7 +221,8 @@ class FP8RowwiseParallel(_FP8Communication, RowwiseParallel):
 
     def tensor_parallel_layout(self) -> TensorParallelLayout:
         reduce_scatter = isinstance(self.output_layouts[0], Shard) and self.reduce_precision == "fp8"
-        return TensorParallelLayout("rowwise", "FP8RowwiseParallel", "reduce-scatter of the output" if reduce_scatter else "")
+        return TensorParallelLayout("rowwise", "FP8RowwiseParallel",
+                                    "reduce-scatter of the output" if reduce_scatter else None)
 
 
 class PrepareFP8ModuleInput(_FP8Communication, PrepareModuleInput):
@@ -276,6 +280,7 @@ class PrepareFP8ModuleInput(_FP8Communication, PrepareModuleInput):
                 lambda mod, inputs, kwargs: self._prepare_fp8_kwargs(mod, inputs, kwargs, device_mesh), with_kwargs=True)
         else:
             module.register_forward_pre_hook(lambda mod, inputs: self._prepare_fp8_inputs(mod, inputs, device_mesh))
+        module.__dict__[PREPARED_ATTR] = self
         self._mark(module)
         return module
 

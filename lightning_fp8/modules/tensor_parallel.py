@@ -54,15 +54,18 @@ class TensorParallelLayout:
     """How tensor parallelism splits one layer (what the conversion summary reports).
 
     kind: "colwise", "rowwise" or "replicated"; style: the name of the style that applied it ("ColwiseParallel"
-    when only the weight's placement tells); fp8_communication: what moves in FP8 for this layer ("" for nothing)."""
+    when only the weight's placement tells); fp8_communication: what the style moves in FP8 (None: nothing; "": a
+    style of torch's, whose communication is all in high precision)."""
 
     kind: str
     style: str
-    fp8_communication: str = ""
+    fp8_communication: Optional[str] = ""
 
     def describe(self) -> str:
-        how = f", FP8 {self.fp8_communication}" if self.fp8_communication else ", high-precision communication"
-        return f"{self.kind} ({self.style}{how})"
+        if self.fp8_communication is None:
+            return f"{self.kind} ({self.style})"
+        how = f"FP8 {self.fp8_communication}" if self.fp8_communication else "high-precision communication"
+        return f"{self.kind} ({self.style}, {how})"
 
 
 def is_dtensor(t: object) -> bool:
