@@ -179,9 +179,12 @@ class FP8ColwiseParallel(_FP8Communication, ColwiseParallel):
         return module
 
     def tensor_parallel_layout(self) -> TensorParallelLayout:
-        sequence_parallel = _sequence_dim(self.input_layouts[0], self.desired_input_layouts[0], 3) is not None
-        return TensorParallelLayout("colwise", "FP8ColwiseParallel",
-                                    "all-gather of the sequence-parallel input" if sequence_parallel else None)
+        if _sequence_dim(self.input_layouts[0], self.desired_input_layouts[0], 3) is None:
+            return TensorParallelLayout("colwise", "FP8ColwiseParallel", None)
+        fp8 = "all-gather of the sequence-parallel input"
+        if self.reduce_precision == "fp8":
+            fp8 += " and reduce-scatter of its gradient"
+        return TensorParallelLayout("colwise", "FP8ColwiseParallel", fp8)
 
 
 class FP8RowwiseParallel(_FP8Communication, RowwiseParallel):
