@@ -185,7 +185,7 @@ def precision_map(
     rows = []
     for fqn, module in model.named_modules():
         layout = layout_of(module)
-        parallel = layout.describe() if layout is not None else ""
+        parallel = layout.describe(isinstance(module, FP8Layer) and module.fp8_enabled) if layout is not None else ""
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features

@@ -283,7 +283,10 @@ class PrepareFP8ModuleInput(_FP8Communication, PrepareModuleInput):
                 lambda mod, inputs, kwargs: self._prepare_fp8_kwargs(mod, inputs, kwargs, device_mesh), with_kwargs=True)
         else:
             module.register_forward_pre_hook(lambda mod, inputs: self._prepare_fp8_inputs(mod, inputs, device_mesh))
-        module.__dict__[PREPARED_ATTR] = self
+        pairs = list(zip(self.input_layouts or (), self.desired_input_layouts or ()))
+        pairs += [(layout, self.desired_input_kwarg_layouts.get(key)) for key, layout in self.input_kwarg_layouts.items()]
+        if any(_sequence_dim(layout, desired, 3) is not None for layout, desired in pairs):
+            module.__dict__[PREPARED_ATTR] = self  # it gathers a sequence-parallel input (the summary lists it)
         self._mark(module)
         return module
 

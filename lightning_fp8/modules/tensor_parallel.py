@@ -61,11 +61,14 @@ class TensorParallelLayout:
     style: str
     fp8_communication: Optional[str] = ""
 
-    def describe(self) -> str:
+    def describe(self, in_fp8: bool = True) -> str:
+        """e.g. "colwise (FP8ColwiseParallel, FP8 all-gather of the sequence-parallel input)"; a layer that does not
+        compute in FP8 (`in_fp8=False`) communicates in high precision whatever its style."""
         if self.fp8_communication is None:
             return f"{self.kind} ({self.style})"
-        how = f"FP8 {self.fp8_communication}" if self.fp8_communication else "high-precision communication"
-        return f"{self.kind} ({self.style}, {how})"
+        if self.fp8_communication and in_fp8:
+            return f"{self.kind} ({self.style}, FP8 {self.fp8_communication})"
+        return f"{self.kind} ({self.style}, high-precision communication)"
 
 
 def is_dtensor(t: object) -> bool:
