@@ -9,11 +9,14 @@ reading its own batches. Each scenario writes OUT_DIR/<scenario>.rank<r>.pt (or 
 import math
 import os
 import sys
+import time
 import traceback
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch import nn
 
 warnings.filterwarnings("ignore")
@@ -30,8 +33,9 @@ from lightning_fp8.demo.gpt import GPTConfig  # noqa: E402
 from lightning_fp8.demo.parallel_gpt import ParallelGPT, parallelize_gpt  # noqa: E402
 
 OUT = sys.argv[1]
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 CFG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
-STEPS, CKPT_STEP = 8, 5
+STEPS, CKPT_STEP = 6, 4  # the checkpoint after both faults; two steps resumed
 SKIP_STEP = 3  # rank 1's gradients are inf at this step
 ROLLBACK_STEP = 1  # rank 0's loss is NaN at this step
 
@@ -119,8 +123,8 @@ def trainer(plugin, callbacks=()):
 
 def lightning_2d():
     """ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) + FP8Precision (FP8 all-gather, FP8
-    tensor-parallel styles): 8 steps with a skip and a rollback injected on one rank each, a distributed checkpoint
-    at step 5 by a real ModelCheckpoint; a fresh Trainer resumes from it and trains steps 6-8."""
+    tensor-parallel styles): 6 steps with a skip and a rollback injected on one rank each, a distributed checkpoint
+    at step 4 by a real ModelCheckpoint; a fresh Trainer resumes from it and trains steps 5-6."""
     ckpt_dir = os.path.join(OUT, "lightning_2d_ckpt")
     plugin = FP8Precision(loss_scaling="dynamic")
     module = GPTModule()
@@ -142,7 +146,7 @@ def lightning_2d():
 # -- Fabric -----------------------------------------------------------------------------------------------------
 def fabric_2d():
     """Fabric's ModelParallelStrategy over the same 2 x 2 mesh with gradient_communication="fp8" (FSDP2's FP8
-    reduce-scatter and the styles' FP8 reduce-scatters): fabric.save at step 3, two more steps; a fresh setup
+    reduce-scatter and the styles' FP8 reduce-scatters): fabric.save at step 2, two more steps; a fresh setup
     resumes with lightning_fp8.fabric.load_checkpoint and trains the same two steps."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
@@ -150,7 +154,7 @@ def fabric_2d():
     from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
     from lightning_fp8.fabric import load_checkpoint
 
-    save_step, steps = 3, 5
+    save_step, steps = 2, 4
 
     def build():
         plugin = FabricFP8Precision(loss_scaling="dynamic", gradient_communication="fp8")
@@ -198,15 +202,21 @@ SCENARIOS = {"lightning_2d": lightning_2d, "fabric_2d": fabric_2d}
 
 def main() -> None:
     names = sys.argv[2:] or list(SCENARIOS)
-    dist.init_process_group("gloo")
+    # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
+    # for the mesh's subgroups too (new_group takes the default timeout)
+    distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
         for name in names:
             prefix = os.path.join(OUT, f"{name}.rank{rank()}")
+            start = time.perf_counter()
             try:
                 torch.save(SCENARIOS[name](), prefix + ".pt")
             except Exception:  # noqa: BLE001 - reported to the test through the error file
                 with open(prefix + ".error", "w") as f:
                     f.write(traceback.format_exc())
+            if rank() == 0:
+                print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
             dist.barrier()
     finally:
         dist.barrier()

@@ -1,11 +1,10 @@
 """FSDP2 x tensor parallelism (2 x 2) on 4 CPU ranks (gloo): tests/parallel_2d_worker.py runs both scenarios in one
 launch (4 processes on this machine's 2 cores: the model is tiny and the runs short)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from torchrun_launch import run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "parallel_2d_worker.py")
 RANKS = 4
@@ -16,11 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel_2d")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
-         str(_free_port()), WORKER, str(out)], env=env, capture_output=True, text=True, timeout=560,
-    )
+    proc = run_workers(WORKER, RANKS, out, timeout=560)
     errors = {f: (out / f).read_text() for f in os.listdir(out) if f.endswith(".error")}
 
     def load(name):
@@ -29,14 +24,6 @@ def runs(tmp_path_factory):
         return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(RANKS)]
 
     return load
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _consistent_and_resumed(results):
