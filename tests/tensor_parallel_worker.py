@@ -288,6 +288,23 @@ def gather_scales():
     return result
 
 
+def block_bytes(model, x, autocast: bool) -> CommBytes:
+    """The collectives of block 1's forward, counted at the dispatcher."""
+    counted = {}
+
+    def enter(module, args):
+        counted["mode"] = CommBytes().__enter__()
+
+    def leave(module, args, out):
+        counted["mode"].__exit__(None, None, None)
+
+    model.blocks[1].register_forward_pre_hook(enter)
+    model.blocks[1].register_forward_hook(leave)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(x)
+    return counted["mode"]
+
+
 def sp_bytes():
     """Bytes of one transformer block's forward (attention and MLP, sequence parallel), counted at the dispatcher:
     lightning_fp8's styles against torch's with BF16 activations (the model in BF16, no autocast), and the
@@ -298,25 +315,10 @@ def sp_bytes():
     x, y = batch(0)
     result = {}
 
-    def block_bytes(model, autocast):
-        counted = {}
-
-        def enter(module, args):
-            counted["mode"] = CommBytes().__enter__()
-
-        def leave(module, args, out):
-            counted["mode"].__exit__(None, None, None)
-
-        model.blocks[1].register_forward_pre_hook(enter)
-        model.blocks[1].register_forward_hook(leave)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(x)
-        return counted["mode"]
-
     fp8 = parallelize_gpt(convert_to_fp8(copy.deepcopy(base), recipe, verbose=False), tp_mesh())
     bf16 = convert_to_fp8(parallelize_gpt(copy.deepcopy(base).bfloat16(), tp_mesh(), fp8_styles=False), recipe,
                           verbose=False)
-    f, b = block_bytes(fp8, True), block_bytes(bf16, False)
+    f, b = block_bytes(fp8, x, True), block_bytes(bf16, x, False)
     result["block_fp8"], result["block_bf16"] = f.table(), b.table()
     result["gather_fp8"] = f.total("bus_bytes", ops=("_allgather_base_", "all_gather_into_tensor"))
     result["gather_bf16"] = b.total("bus_bytes", ops=("_allgather_base_", "all_gather_into_tensor"))
@@ -331,6 +333,27 @@ def sp_bytes():
             loss.backward()
         result[f"step_{communication}"] = counter.table()
         result[f"grads_{communication}"] = _grads(model)
+    return result
+
+
+def comm_follows_compute():
+    """gradient_communication="fp8" on layers that do not cast their input per tensor in FP8: row-wise layers moved
+    to BF16 (what FP8LayerFallback does) and a fine-grained (rowwise-scaled) model. Their styles communicate in high
+    precision, and the conversion summary says so: block 1's forward collectives by kind and dtype, and the summary."""
+    from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
+
+    torch.manual_seed(0)
+    base = ParallelGPT(CFG)
+    x, _ = batch(0)
+    result = {}
+    for name, recipe in (("fallback", FP8Recipe(keep_first_last_in_bf16=False)),
+                         ("finegrained", FP8Recipe(scaling="rowwise", keep_first_last_in_bf16=False))):
+        model = parallelize_gpt(convert_to_fp8(copy.deepcopy(base), recipe, verbose=False), tp_mesh())
+        follow_plugin_communication(model, "fp8")
+        if name == "fallback":
+            for block in model.blocks:
+                block.attn.proj.fp8_enabled = block.mlp.fc2.fp8_enabled = False
+        result[name] = {"table": block_bytes(model, x, True).table(), "summary": conversion_summary(model).text()}
     return result
 
 
@@ -451,6 +474,7 @@ SCENARIOS = {
     "sp_paths": sp_paths,
     "gather_scales": gather_scales,
     "sp_bytes": sp_bytes,
+    "comm_follows_compute": comm_follows_compute,
     "tp_errors": tp_errors,
     "fabric_tp": fabric_tp,
     "accelerate_tp": accelerate_tp,

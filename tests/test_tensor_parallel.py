@@ -123,6 +123,24 @@ def test_sequence_parallel_all_gather_moves_at_most_055_of_bf16_bytes(runs):
         assert float((grads - reference).norm() / reference.norm()) <= 2**-3  # two E4M3 roundings at most
 
 
+def test_layers_not_casting_per_tensor_in_fp8_communicate_in_high_precision_and_the_summary_says_so(runs):
+    for r in runs("comm_follows_compute"):
+        # row-wise layers in BF16 under gradient_communication="fp8": their output reduce-scatters stay high
+        # precision (no FP8 all-to-all); the column-wise layers, still FP8, gather their inputs in FP8
+        fallback = r["fallback"]
+        assert ("alltoall_base_", "uint8") not in fallback["table"], fallback["table"]
+        assert ("reduce_scatter_tensor", "float32") in fallback["table"]
+        assert ("_allgather_base_", "uint8") in fallback["table"]
+        assert ("rowwise (FP8RowwiseParallel, high-precision communication): blocks.0.attn.proj (BF16), "
+                "blocks.0.mlp.fc2 (BF16)") in fallback["summary"]
+        # a fine-grained recipe casts per tile: nothing moves in FP8, and the summary does not claim it does
+        finegrained = r["finegrained"]
+        assert not any(dtype == "uint8" for _, dtype in finegrained["table"]), finegrained["table"]
+        assert "FP8 all-gather" not in finegrained["summary"] and "FP8 reduce-scatter" not in finegrained["summary"]
+        assert ("colwise (FP8ColwiseParallel, high-precision communication): blocks.0.mlp.fc1 (FP8)"
+                in finegrained["summary"]), finegrained["summary"]
+
+
 def test_plans_that_cannot_be_right_are_refused_with_what_to_use(runs):
     for r in runs("tp_errors"):
         assert "FP8RowwiseParallel (same arguments)" in r["torch_rowwise"]

@@ -29,7 +29,7 @@ from lightning_fp8.conversion.filters import (
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
 from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
 from lightning_fp8.modules.attention import ProjectedMultiheadAttention
-from lightning_fp8.modules.linear import FP8Layer
+from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
 from lightning_fp8.modules.tensor_parallel import layout_of
 from lightning_fp8.recipe import FP8Recipe
 
@@ -218,7 +218,8 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
     rows = []
     for fqn, module in model.named_modules():
         layout = layout_of(module)
-        parallel = layout.describe(isinstance(module, FP8Layer) and module.fp8_enabled) if layout is not None else ""
+        # FP8 communication needs a layer casting its input per tensor in FP8 (its styles' run-time rule)
+        parallel = layout.describe(casts_input_per_tensor(module)) if layout is not None else ""
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features

@@ -97,7 +97,7 @@ class ConversionSummary:
             lines.append(f"    {layout}: {_names(names)}")
         if self.fp8_prepared:
             lines.append(f"    inputs all-gathered by PrepareFP8ModuleInput (FP8 where the module's first linear layer "
-                         f"computes in FP8): {_names(self.fp8_prepared)}")
+                         f"computes in FP8 with per-tensor scaling): {_names(self.fp8_prepared)}")
         return lines
 
     def warning(self) -> Optional[str]:

@@ -198,7 +198,10 @@ class FP8RowwiseParallel(_FP8Communication, RowwiseParallel):
 
     def _prepare_fp8_output(self, mod: nn.Module, outputs, device_mesh):
         (layout,) = self.output_layouts
-        if (self.reduce_precision == "fp8" and isinstance(outputs, DTensor) and outputs.placements[0].is_partial()
+        # FP8 only where the layer computes in FP8 with per-tensor casts (the module docstring's rule; a BF16
+        # fallback communicates as torch's does, as the conversion summary reports)
+        if (self.reduce_precision == "fp8" and fp8_input_cast(mod) is not None
+                and isinstance(outputs, DTensor) and outputs.placements[0].is_partial()
                 and isinstance(layout, Shard) and outputs.shape[layout.dim] % device_mesh.size() == 0):
             seq = layout.dim % outputs.dim()
             local = reduce_scatter_output(outputs.to_local(grad_placements=(Replicate(),)),

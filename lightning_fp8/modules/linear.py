@@ -19,7 +19,13 @@ from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import scaled_cast, tiled_cast
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
-from lightning_fp8.modules.precast import PrecastFP8Input, PrecastFP8Weight, observed_weight, resolve_precast
+from lightning_fp8.modules.precast import (
+    PER_TENSOR_SCALINGS,
+    PrecastFP8Input,
+    PrecastFP8Weight,
+    observed_weight,
+    resolve_precast,
+)
 from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
 from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
 from lightning_fp8.numerics.quantize import tensor_amax
@@ -250,6 +256,15 @@ class FP8Linear(FP8Layer, nn.Linear):
         linear.bias = self.bias
         linear.train(self.training)
         return linear
+
+
+def casts_input_per_tensor(layer: nn.Module) -> bool:
+    """Whether `layer` is an FP8 layer computing in FP8 whose own recipe casts its input with one scale per tensor:
+    what tensor-parallel FP8 communication can carry (one scale per rank's bytes). A BF16 fallback casts nothing and a
+    fine-grained recipe (rowwise, blockwise) one scale per tile, so their styles communicate in high precision. (At
+    run time lightning_fp8/distributed/tensor_parallel.py's fp8_input_cast also reads fp8_autocast's state.)"""
+    return (isinstance(layer, FP8Layer) and layer.fp8_enabled
+            and layer.recipe.scaling in PER_TENSOR_SCALINGS)
 
 
 def _sync_enabled_flag_after_load(module: FP8Layer, incompatible_keys) -> None:

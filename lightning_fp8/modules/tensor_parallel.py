@@ -63,7 +63,8 @@ class TensorParallelLayout:
 
     def describe(self, in_fp8: bool = True) -> str:
         """e.g. "colwise (FP8ColwiseParallel, FP8 all-gather of the sequence-parallel input)"; a layer that does not
-        compute in FP8 (`in_fp8=False`) communicates in high precision whatever its style."""
+        cast its input per tensor in FP8 (`in_fp8=False`: a BF16 fallback, a rowwise or blockwise recipe)
+        communicates in high precision whatever its style."""
         if self.fp8_communication is None:
             return f"{self.kind} ({self.style})"
         if self.fp8_communication and in_fp8:
