@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -56,19 +57,20 @@ def batch(step: int, dp_rank: int = 0, batch_size: int = 4):
     return ids[:, :-1], ids[:, 1:]
 
 
-def faults(model: nn.Module, step_of) -> None:
-    """A skip (rank 1's gradients inf at SKIP_STEP) and a rollback (rank 0's loss NaN at ROLLBACK_STEP), each on one
-    rank only."""
+def nan_loss_on_rank_0(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """Rank 0's loss NaN at ROLLBACK_STEP, the NaN a constant added after the forward: its gradients stay finite, so
+    nothing non-finite reaches another rank through a collective (as a NaN in the forward would, through the
+    sequence-parallel gathers); the other ranks roll back only if the engine agrees its flags across ranks."""
+    return loss + float("nan") if step == ROLLBACK_STEP and rank() == 0 else loss
 
-    def hook(module, args, out):
-        step = step_of()
-        if step == SKIP_STEP and rank() == 1 and out.requires_grad:
-            out.register_hook(lambda g: g * float("inf"))
-        if step == ROLLBACK_STEP and rank() == 0:
-            return out * float("nan")
-        return out
 
-    model.blocks[1].register_forward_hook(hook)
+def inf_gradient_on_rank_1(model: nn.Module, step: int) -> None:
+    """Rank 1's gradient of the head's weight gets an inf at SKIP_STEP, after the backward: the head is replicated
+    across the tensor-parallel group (FSDP2 x TP: sharded over the data-parallel dimension, its reduce-scatter
+    done), so no collective carries it to another rank; they skip only if the engine agrees its flags across ranks."""
+    if step == SKIP_STEP and rank() == 1:
+        grad = model.head.weight.grad
+        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
 
 
 def schedule(step: int) -> float:
@@ -101,7 +103,6 @@ class GPTModule(L.LightningModule):
         self.model = ParallelGPT(CFG)
         self.fp8_styles = fp8_styles
         self.losses = []
-        faults(self.model, lambda: self.trainer.global_step)
 
     def configure_model(self) -> None:
         if self.fp8_styles:
@@ -112,7 +113,10 @@ class GPTModule(L.LightningModule):
         x, y = batch(self.trainer.global_step)
         loss = self.model.loss(x, y)
         self.losses.append(float(loss.detach()))
-        return loss
+        return nan_loss_on_rank_0(loss, self.trainer.global_step)
+
+    def on_after_backward(self) -> None:
+        inf_gradient_on_rank_1(self.model, self.trainer.global_step)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)

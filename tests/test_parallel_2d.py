@@ -48,7 +48,8 @@ def test_lightning_fsdp2_x_tp_takes_faults_on_every_rank_and_resumes_bit_identic
     results = runs("lightning_2d")
     _consistent_and_resumed(results)
     for r in results:
-        assert r["skips"] == [2, 4] and r["rollbacks"] == [2]  # rank 0's NaN loss, rank 1's inf gradients
+        # rank 0's NaN loss, rank 1's inf gradient, injected where no collective carries them to another rank
+        assert r["skips"] == [2, 4] and r["rollbacks"] == [2] and r["loss_scale"] < 2.0**8
     assert results[0]["ckpt_is_dir"]  # a distributed checkpoint
     # the TP-sharded weight is sharded again by FSDP2 and all-gathered in FP8
     assert results[0]["fc1_placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"

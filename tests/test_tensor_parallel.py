@@ -19,8 +19,9 @@ from torchrun_launch import run_workers
 WORKER = os.path.join(os.path.dirname(__file__), "tensor_parallel_worker.py")
 #: relative difference of the TP=2 losses from one rank's (see the module docstring), per compute dtype
 TP_VS_SINGLE_RTOL = {"bf16": 3e-3, "fp32": 1e-6}
-#: the faults the worker injects (engine steps): rank 0's loss NaN at step 2 (a skip and a rollback), rank 1's
-#: gradients inf at step 4 (a skip)
+#: the faults the worker injects (engine steps), where no collective carries them to the other rank (so every rank
+#: takes them only through the engine's cross-rank agreement): rank 0's loss NaN at step 2 (a skip and a rollback),
+#: an inf in rank 1's gradient of a replicated weight at step 4 (a skip)
 SKIPS, ROLLBACKS = [2, 4], [2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -53,7 +54,7 @@ def test_lightning_tensor_parallel_trains_and_every_rank_takes_a_skip_and_a_roll
         assert r["fc1"] == "FP8Linear" and r["fc1_weight"] == "DTensor(Shard(dim=0),)"
         assert r["meta_buffer"] == "Tensor"  # the FP8 metadata stays local (torch's styles would make it a DTensor)
     _identical_fp8_state(r0, r1)
-    assert any(k.endswith("overflow_count") and r0["fp8"][k].sum() > 0 for k in r0["fp8"])  # the faults counted
+    assert r0["loss_scale"] < 2.0**8  # the dynamic loss scale backed off on every rank (the default starts at 2^8)
     assert r0["loss_scale"] == r1["loss_scale"] and torch.equal(r0["weights"], r1["weights"])
     assert "colwise (FP8ColwiseParallel, FP8 all-gather of the sequence-parallel input): blocks.0.mlp.fc1" in r0["summary"]
     assert "rowwise (FP8RowwiseParallel): blocks.0.attn.proj (FP8)" in r0["summary"]
