@@ -1,6 +1,7 @@
-"""Run by tests/test_parallel_2d.py under torchrun (4 CPU ranks, gloo): FSDP2 over the data-parallel mesh dimension x
-tensor parallelism over the other (2 x 2), in ONE launch. Tiny model (the 4 processes share 2 cores).
+"""Run by tests/test_parallel_2d.py (4 CPU ranks, gloo): FSDP2 over the data-parallel mesh dimension x tensor
+parallelism over the other (2 x 2), in ONE launch. Tiny model (the 4 processes share 2 cores).
 
+    python tests/parallel_2d_worker.py OUT_DIR [scenario ...]     # forks its 4 ranks (tests/torchrun_launch.py)
     python -m torch.distributed.run --nproc_per_node 4 tests/parallel_2d_worker.py OUT_DIR [scenario ...]
 
 The mesh is (data_parallel, tensor_parallel) = (2, 2): ranks {0, 1} and {2, 3} are the tensor-parallel groups, each
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from lightning_fp8.demo.gpt import GPTConfig  # noqa: E402
@@ -231,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch_forked(main, 4)

@@ -1,6 +1,7 @@
-"""Run by tests/test_tensor_parallel.py under torchrun (2 CPU ranks, gloo, one tensor-parallel group of 2): every
-multi-process check of tensor and sequence parallelism in FP8 in ONE launch (imports dominate a launch).
+"""Run by tests/test_tensor_parallel.py (2 CPU ranks, gloo, one tensor-parallel group of 2): every multi-process
+check of tensor and sequence parallelism in FP8 in ONE launch (imports dominate a launch).
 
+    python tests/tensor_parallel_worker.py OUT_DIR [scenario ...]     # forks its 2 ranks (tests/torchrun_launch.py)
     python -m torch.distributed.run --nproc_per_node 2 tests/tensor_parallel_worker.py OUT_DIR [scenario ...]
 
 Each scenario writes OUT_DIR/<scenario>.rank<r>.pt; one that raises writes OUT_DIR/<scenario>.rank<r>.error and the
@@ -29,6 +30,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, FP8Recipe, convert_to_fp8, fp8_state_dict  # noqa: E402
 from lightning_fp8.conversion.summary import conversion_summary  # noqa: E402
@@ -509,4 +511,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch_forked(main, 2)

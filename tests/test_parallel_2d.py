@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel_2d")
-    proc = run_workers(WORKER, RANKS, out, timeout=560)
+    proc = run_workers(WORKER, out, timeout=560)
     errors = {f: (out / f).read_text() for f in os.listdir(out) if f.endswith(".error")}
 
     def load(name):
