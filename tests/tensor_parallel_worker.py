@@ -378,6 +378,7 @@ def tp_errors():
         result["torch_rowwise"] = "no error"
     except AttributeError as error:
         result["torch_rowwise"] = str(error)
+    result["fabric_torch_rowwise"] = _fabric_with_torch_styles()
     model = convert_to_fp8(ParallelGPT(CFG), FP8Recipe(keep_first_last_in_bf16=False), verbose=False)
     plan = {"blocks.0.attn": PrepareFP8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
             "blocks.0.attn.q": ColwiseParallel(), "blocks.0.attn.k": FP8ColwiseParallel(),
@@ -391,6 +392,26 @@ def tp_errors():
     except RuntimeError as error:
         result["torch_reader"] = str(error)
     return result
+
+
+def _fabric_with_torch_styles() -> str:
+    """What Fabric's ModelParallelStrategy says when the parallelize function applies torch's styles (Fabric's FP8
+    plugin converts before it, so torch's RowwiseParallel meets converted layers): the error, or "no error"."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+
+    strategy = FabricModelParallel(lambda model, mesh: parallelize_gpt(model, mesh["tensor_parallel"], fp8_styles=False),
+                                   data_parallel_size=1, tensor_parallel_size=2)
+    fabric = Fabric(accelerator="cpu", devices=2, plugins=[FabricFP8Precision()], strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    try:
+        fabric.setup_module(ParallelGPT(CFG))
+        return "no error"
+    except AttributeError as error:
+        return str(error)
 
 
 def fabric_tp():

@@ -145,6 +145,11 @@ def test_layers_not_casting_per_tensor_in_fp8_communicate_in_high_precision_and_
 def test_plans_that_cannot_be_right_are_refused_with_what_to_use(runs):
     for r in runs("tp_errors"):
         assert "FP8RowwiseParallel (same arguments)" in r["torch_rowwise"]
+        # under Fabric (it converts before the parallelize function) the refusal says that FP8RowwiseParallel is
+        # the only way there, not "apply torch's plan before conversion", which a Fabric user cannot do
+        fabric = r["fabric_torch_rowwise"]
+        assert "FP8RowwiseParallel (same arguments) in its place" in fabric, fabric
+        assert "Under Fabric's ModelParallelStrategy that is the only way" in fabric, fabric
         assert "Only FP8 layers parallelized with FP8ColwiseParallel may read it" in r["torch_reader"]
 
 

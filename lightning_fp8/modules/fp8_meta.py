@@ -182,8 +182,10 @@ class RoleState:
             raise AttributeError(
                 "lightning_fp8: torch's RowwiseParallel was applied to an FP8 layer; it shards the `weight` of every "
                 "submodule, and the FP8 metadata has no weight to shard. Use lightning_fp8.distributed."
-                "FP8RowwiseParallel (same arguments), or apply torch's plan before conversion (Lightning converts "
-                "after configure_model)."
+                "FP8RowwiseParallel (same arguments) in its place. Under Fabric's ModelParallelStrategy that is the "
+                "only way: Fabric's FP8 plugin converts the model before your parallelize_fn. Elsewhere torch's "
+                "RowwiseParallel also works applied before conversion (Lightning converts after configure_model; "
+                "plain PyTorch: parallelize_module, then convert_to_fp8)."
             )
         raise AttributeError(f"'RoleState' object has no attribute {name!r}")
 
