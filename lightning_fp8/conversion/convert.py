@@ -31,7 +31,8 @@ from lightning_fp8.conversion.filters import (
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
 from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
 from lightning_fp8.modules.attention import ProjectedMultiheadAttention
-from lightning_fp8.modules.linear import FP8Layer
+from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
+from lightning_fp8.modules.tensor_parallel import layout_of
 from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
@@ -58,6 +59,8 @@ class LayerPrecision:
     preview: bool = False
     scaling: str = ""  # an FP8 layer's scaling (its effective recipe's, e.g. "blockwise" after an escalation)
     family: str = "linear"
+    #: how tensor parallelism splits the layer ("" when it does not): its layout, the style, what moves in FP8
+    parallel: str = ""
 
 
 def convert_to_fp8(
@@ -223,6 +226,9 @@ def precision_map(
 def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[str]]) -> List[LayerPrecision]:
     rows = []
     for fqn, module in model.named_modules():
+        layout = layout_of(module)
+        # FP8 communication needs a layer casting its input per tensor in FP8 (its styles' run-time rule)
+        parallel = layout.describe(casts_input_per_tensor(module)) if layout is not None else ""
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features
@@ -231,22 +237,25 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
             if module.fp8_enabled:
                 note = getattr(module, "fp8_escalation_reason", None)
                 reason = f"converted; {note}" if note else "converted"
-                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling, family=family))
+                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling, family=family,
+                                           parallel=parallel))
             else:
                 reason = module.fp8_disabled_reason or "fp8_enabled=False"
-                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, family=family))
+                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, family=family,
+                                           parallel=parallel))
             continue
         kind = kinds.linear_kind(module)
         if kind is not None:
             in_f, out_f = kind.features(module)
             if converted:
                 reason = module.__dict__.get(SKIP_REASON_ATTR, "not converted (not in the model when convert_to_fp8 ran)")
-                rows.append(LayerPrecision(fqn, "bf16", reason, kind.label, in_f * out_f, family=kind.family))
+                rows.append(LayerPrecision(fqn, "bf16", reason, kind.label, in_f * out_f, family=kind.family,
+                                           parallel=parallel))
             else:
                 reason = plan.get(fqn)
                 precision, reason = ("fp8", WOULD_CONVERT) if reason is None else ("bf16", reason)
                 rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True,
-                                           family=kind.family))
+                                           family=kind.family, parallel=parallel))
             continue
         other = kinds.other_module(module)
         if other is not None:

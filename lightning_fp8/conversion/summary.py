@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from torch import nn
 
 from lightning_fp8.conversion.convert import LayerPrecision, precision_map
+
+#: set on a module by lightning_fp8.distributed.PrepareFP8ModuleInput (conversion must not import distributed)
+PREPARED_ATTR = "_fp8_prepared_input"
 
 log = logging.getLogger("lightning_fp8")
 
@@ -35,6 +38,8 @@ LEAVING_FP8 = ("The model stays converted after training; lightning_fp8.revert_f
 class ConversionSummary:
     rows: List[LayerPrecision]
     module_types: Dict[str, int]  # class name -> count, for modules that hold parameters
+    #: modules whose sequence-parallel input PrepareFP8ModuleInput all-gathers (in FP8 where their first layer is)
+    fp8_prepared: List[str] = field(default_factory=list)
 
     @property
     def linear_rows(self) -> List[LayerPrecision]:
@@ -107,9 +112,28 @@ class ConversionSummary:
             lines.append("  kept in BF16:")
             for reason, names in by_reason.items():
                 lines.append(f"    {_names(names)}: {reason}")
+        lines.extend(self.tensor_parallel_lines())
         if not self.preview:
             lines.append("  " + LEAVING_FP8)
         return "\n".join(lines)
+
+    def tensor_parallel_lines(self) -> List[str]:
+        """How tensor parallelism splits the linear layers, grouped by layout and style ([] without it): which
+        layers communicate in FP8 (lightning_fp8.distributed's styles) and which in high precision (torch's)."""
+        by_layout: Dict[str, List[str]] = {}
+        for row in self.rows:
+            if row.parallel:
+                by_layout.setdefault(row.parallel, []).append(f"{row.fqn} ({row.precision.upper()})")
+        if not by_layout:
+            return []
+        count = sum(len(names) for names in by_layout.values())
+        lines = [f"  tensor parallel: {count} linear layers"]
+        for layout, names in by_layout.items():
+            lines.append(f"    {layout}: {_names(names)}")
+        if self.fp8_prepared:
+            lines.append(f"    inputs all-gathered by PrepareFP8ModuleInput (FP8 where the module's first linear layer "
+                         f"computes in FP8 with per-tensor scaling): {_names(self.fp8_prepared)}")
+        return lines
 
     def warning(self) -> Optional[str]:
         """A warning when nothing or little of the model runs in FP8, naming what the model is made of."""
@@ -134,7 +158,8 @@ def conversion_summary(model: nn.Module) -> ConversionSummary:
     for module in model.modules():
         if any(p is not None for p in module._parameters.values()):
             types[type(module).__name__] += 1
-    return ConversionSummary(precision_map(model), dict(types.most_common()))
+    prepared = [fqn for fqn, module in model.named_modules() if PREPARED_ATTR in module.__dict__]
+    return ConversionSummary(precision_map(model), dict(types.most_common()), prepared)
 
 
 def log_conversion_summary(

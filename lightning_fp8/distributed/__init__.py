@@ -6,6 +6,9 @@ communication for DDP and FSDP2 (docs/distributed.md).
     comm_hook.py       FP8CommState, fp8_comm_hook: that reduction as a DDP comm hook (bf16_comm_hook: the BF16 baseline)
     reduce_scatter.py  FP8ReduceScatter, enable_fp8_reduce_scatter: the same as FSDP2's reduce-scatter
     sharding.py        is the model sharded, may it still be converted
+    tensor_parallel.py FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput: tensor-parallel styles for FP8
+                       layers (drop-ins for torch's in a parallelize_module plan)
+    sequence_parallel.py the FP8 all-gather of sequence-parallel activations and the reduce-scatters around it
     comm_bytes.py      CommBytes: the bytes each collective moves, counted at the c10d dispatcher
 
 The adapters (Lightning, Fabric, Accelerate) call these for `fp8_all_gather=True` and `gradient_communication="fp8"`;
@@ -24,6 +27,7 @@ from lightning_fp8.distributed.comm_bytes import CommBytes
 from lightning_fp8.distributed.comm_hook import FP8CommState, bf16_comm_hook, fp8_comm_hook
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter, enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
+from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 
 __all__ = [
     "FP8AllGatherWeight",
@@ -37,4 +41,7 @@ __all__ = [
     "enable_fp8_reduce_scatter",
     "CommBytes",
     "is_fsdp_sharded",
+    "FP8ColwiseParallel",
+    "FP8RowwiseParallel",
+    "PrepareFP8ModuleInput",
 ]

@@ -24,7 +24,10 @@ Which layers: FP8 layers with a per-tensor recipe (delayed or current scaling: o
 agreed before the gather; fine-grained recipes scale tiles and keep their weight gathered in high precision), whose
 GEMM reads the weight Parameter itself (FP8Linear; transformers' Conv1D reads it transposed) and whose weight no
 other module uses (a tied embedding would read FP8 values). `fp8_all_gather_reason(layer)` says why a layer is not.
-Assumes FSDP2's default placement, Shard(0), on a 1-D mesh (HSDP is untested).
+Assumes FSDP2's default placement, Shard(0), on a 1-D mesh (HSDP is untested). Under FSDP2 x TP the weight FSDP2
+shards is the tensor-parallel shard (a DTensor's local tensor): the all-gather runs over the data-parallel dimension
+and the gathered weight is that shard, which the FP8 layer's tensor-parallel forward computes with
+(lightning_fp8/modules/tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from lightning_fp8.modules.cast import cast_to_fp8
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
+from lightning_fp8.modules.tensor_parallel import is_dtensor
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale
@@ -163,6 +167,8 @@ class FP8AllGatherWeight(torch.Tensor):
         # before the reads below ran: tie them to this stream
         keep_for_current_stream(metadata.scale, metadata.amax)
         if out is not None:  # FSDP2 re-gathered into the same buffers: only the cast's scale, amax and key can differ
+            if is_dtensor(out):  # FSDP2 x TP: FSDP2 hands back the unsharded DTensor over the tensor-parallel mesh
+                out = out.to_local()
             out.update(metadata.scale, metadata.amax, metadata.cast_key)
             out._source.shard = self  # the shard FSDP2 holds now (a load may have replaced the tensor object)
             return None
@@ -286,7 +292,7 @@ def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
         users[id(p)] = users.get(id(p), 0) + 1
     decisions: Dict[str, Optional[str]] = {}
     for fqn, layer in fp8_layers(model).items():
-        if isinstance(layer.weight, FP8AllGatherWeight):
+        if uses_fp8_all_gather(layer):
             decisions[fqn] = None
             continue
         reason = _ineligible_reason(layer, fqn, users)
@@ -296,8 +302,19 @@ def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
             continue
         layer.__dict__.pop(_REASON_ATTR, None)
         weight = layer.weight
-        layer.weight = nn.Parameter(FP8AllGatherWeight(weight.detach()), requires_grad=weight.requires_grad)
+        layer.weight = nn.Parameter(_with_fp8_all_gather(weight.detach()), requires_grad=weight.requires_grad)
     return decisions
+
+
+def _with_fp8_all_gather(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as an FP8AllGatherWeight; a weight tensor parallelism split already (a DTensor) keeps its placements
+    and gets its local shard wrapped, which is what FSDP2 shards further (FSDP2 x TP)."""
+    if is_dtensor(weight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(FP8AllGatherWeight(weight.to_local()), weight.device_mesh, weight.placements,
+                                  run_check=False, shape=weight.shape, stride=weight.stride())
+    return FP8AllGatherWeight(weight)
 
 
 def uses_fp8_all_gather(layer: nn.Module) -> bool:

@@ -2,8 +2,11 @@
 
 Every ProcessGroup collective goes through a `c10d::*` dispatcher op (`allreduce_`, `_allgather_base_`,
 `_reduce_scatter_base_`, `alltoall_base_`, ...), whether it comes from Python (`dist.all_reduce`, FSDP2, a DDP
-comm hook) or from C++ (DDP's reducer). A TorchDispatchMode sees each with its real tensors (the mechanism of
-torch's own `CommDebugMode`, which counts calls only), so the bytes are counted, not estimated. It is in the package
+comm hook) or from C++ (DDP's reducer); DTensor's redistributions (tensor parallelism) use the functional collectives
+instead, `_c10d_functional::*` ops (`all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce`, ...), which run
+the process group directly: both namespaces are counted, each op under its own name. A TorchDispatchMode sees each
+with its real tensors (the mechanism of torch's own `CommDebugMode`, which counts calls only), so the bytes are
+counted, not estimated. It is in the package
 rather than in benchmarks/ because the tests assert byte ratios with it and users can check their own runs:
 
     with CommBytes() as counter:
@@ -42,6 +45,21 @@ _COLLECTIVES = {
     "reduce_": (0, lambda w: 1.0),
 }
 
+#: the functional collectives (`_c10d_functional::*`): op -> (index of this rank's contribution, bus factor of W);
+#: the group is their last argument (its name; all_gather / reduce_scatter also pass its size)
+_FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": (0, lambda w: 2 * (w - 1) / w),
+    "all_reduce_": (0, lambda w: 2 * (w - 1) / w),
+    "all_reduce_coalesced": (0, lambda w: 2 * (w - 1) / w),
+    "all_gather_into_tensor": (0, lambda w: w - 1),
+    "all_gather_into_tensor_coalesced": (0, lambda w: w - 1),
+    "reduce_scatter_tensor": (0, lambda w: (w - 1) / w),
+    "reduce_scatter_tensor_coalesced": (0, lambda w: (w - 1) / w),
+    "all_to_all_single": (0, lambda w: (w - 1) / w),
+    "broadcast": (0, lambda w: 1.0),
+    "broadcast_": (0, lambda w: 1.0),
+}
+
 Key = Tuple[str, str]
 
 
@@ -60,6 +78,14 @@ def _group_size(args) -> int:
     raise RuntimeError("CommBytes: a c10d collective without a process group argument")
 
 
+def _functional_group_size(args) -> int:
+    """The group of a functional collective: its name is the last string argument."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = [arg for arg in args if isinstance(arg, str)][-1]
+    return _resolve_process_group(name).size()
+
+
 class CommBytes(TorchDispatchMode):
     """Counts calls, elements, payload bytes and bus bytes of every c10d collective, per (op, dtype)."""
 
@@ -69,10 +95,16 @@ class CommBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
+        tensors, factor = None, 0.0
         if func.namespace == "c10d" and name in _COLLECTIVES:
             index, bus_factor = _COLLECTIVES[name]
             tensors = list(_tensors(args[index]))
             factor = bus_factor(_group_size(args))
+        elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL_COLLECTIVES:
+            index, bus_factor = _FUNCTIONAL_COLLECTIVES[name]
+            tensors = list(_tensors(args[index]))
+            factor = bus_factor(_functional_group_size(args))
+        if tensors is not None:
             for i, t in enumerate(tensors):
                 record = self.records[(name, str(t.dtype).replace("torch.", ""))]
                 record["calls"] += 1 if i == 0 else 0

@@ -50,6 +50,7 @@ from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, Sn
 from lightning_fp8.engine.scales import ModelScales
 from lightning_fp8.engine.snapshot import optimizer_params
 from lightning_fp8.modules.linear import FP8Linear
+from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
@@ -122,6 +123,7 @@ class FP8TrainingEngine:
         the last model only (otherwise the earlier layers' scales would silently never change again)."""
         previous = self.layers if self.model is not None and self.model is not model else {}
         self.model = model
+        localize_fp8_state(model)  # tensor parallelism: torch's styles made the FP8 metadata replicated DTensors
         self.layers = fp8_layers(model)
         kept = set(map(id, self.layers.values()))
         released = [layer for layer in previous.values() if id(layer) not in kept]

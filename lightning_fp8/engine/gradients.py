@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from lightning_fp8.engine.distributed import local_shards
 from lightning_fp8.engine.host import to_host
 from lightning_fp8.engine.loss_scaler import LossScaler
 
@@ -47,7 +48,10 @@ class GradientUnscaler:
             self._unscaled[id(p)] = (weakref.ref(p), weakref.ref(grad))
             todo.append(grad)
         if todo:
-            self._found_inf |= to_host(self.scaler.unscale_and_check(todo), "non-finite gradients")[0] > 0
+            # on each rank's part of sharded gradients (DTensors of FSDP2 and tensor parallelism, on different meshes,
+            # next to plain tensors): unscaling is elementwise, and the engine MAX-reduces the flag across ranks
+            found = self.scaler.unscale_and_check(local_shards(todo))
+            self._found_inf |= to_host(found, "non-finite gradients")[0] > 0
         return self._found_inf
 
     @torch.no_grad()
@@ -56,7 +60,7 @@ class GradientUnscaler:
         attached to their parameters back to that scale, then forget them (the next decision unscales them again)."""
         scale = self.scaler.scale
         if scale != 1.0:
-            leftover = [grad for p, grad in self._live() if grad.numel()]
+            leftover = [grad for grad in local_shards(grad for _, grad in self._live()) if grad.numel()]
             by_dtype: Dict[Tuple[torch.device, torch.dtype], list] = {}
             for grad in leftover:
                 by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)

@@ -18,7 +18,7 @@ from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load
 from lightning_fp8.conversion.summary import log_conversion_summary
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.engine.engine import FP8TrainingEngine
-from lightning_fp8.integrations._distributed import adopt_sharded_module, convert_for_fsdp
+from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
@@ -77,6 +77,7 @@ class FP8PrecisionCore:
 
             log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
         exclude_fp8_meta_from_ddp_broadcast(module)
+        adopt_tensor_parallel(self, module)
         self._module = module
         self.engine.attach(module)
         return module

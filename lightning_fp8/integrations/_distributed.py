@@ -11,6 +11,9 @@
     register_gradient_communication(options, model)
                                               gradient_communication="fp8": the DDP comm hook on a DDP wrapper,
                                               the FP8 reduce-scatter on FSDP2 units; idempotent
+    adopt_tensor_parallel(core, module)       a model tensor parallelism split (torch's or lightning_fp8's styles):
+                                              FP8 metadata back to local tensors, lightning_fp8's styles told the
+                                              plugin's gradient_communication
 
 The numerics and the FSDP2 / DDP mechanics live in lightning_fp8/distributed; this module only decides when.
 """
@@ -28,6 +31,8 @@ from lightning_fp8.distributed.all_gather import enable_fp8_all_gather, fp8_all_
 from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
 from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
+from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
+from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 from lightning_fp8.integrations._options import FP8Options
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,6 +96,7 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
         pending = [fqn for fqn, reason in plan_conversion(module, recipe, core.module_filter).items() if reason is None]
         check_convertible(module, pending)
     warn_if_gathered_in_high_precision(core, module)
+    adopt_tensor_parallel(core, module)
     if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
         from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -98,6 +104,14 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
     core._module = module
     core.engine.attach(module)
     return module
+
+
+def adopt_tensor_parallel(core: "FP8PrecisionCore", module: nn.Module) -> int:
+    """A model tensor parallelism split: torch's styles made the FP8 metadata replicated DTensors (back to the local
+    tensors they hold), and lightning_fp8's styles follow the plugin's gradient_communication unless given their own.
+    Returns how many lightning_fp8 styles the model has."""
+    localize_fp8_state(module)
+    return follow_plugin_communication(module, core.options.gradient_communication)
 
 
 def warn_if_gathered_in_high_precision(core: "FP8PrecisionCore", module: nn.Module) -> None:
@@ -139,6 +153,8 @@ def register_gradient_communication(options: FP8Options, model: nn.Module, state
             ) from error
     elif is_fsdp_sharded(model):
         enable_fp8_reduce_scatter(model, state)
+    elif follow_plugin_communication(model, options.gradient_communication):
+        pass  # tensor parallelism alone: lightning_fp8's styles reduce-scatter in FP8 (tensor_parallel.py)
     else:
         if warn_unsupported and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -164,4 +180,4 @@ def _log_all_gather(decisions: Dict[str, Optional[str]]) -> None:
 
 
 __all__ = ["convert_for_fsdp", "prepare_for_sharding", "adopt_sharded_module", "register_gradient_communication",
-           "warn_if_gathered_in_high_precision"]
+           "warn_if_gathered_in_high_precision", "adopt_tensor_parallel"]

@@ -37,7 +37,10 @@ from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.conversion.convert import precision_map
+from lightning_fp8.conversion.summary import conversion_summary
 from lightning_fp8.integrations._distributed import (
+    adopt_tensor_parallel,
     prepare_for_sharding,
     register_gradient_communication,
     warn_if_gathered_in_high_precision,
@@ -98,6 +101,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
     def forward_context(self) -> ContextManager:
         # every forward of the set-up module runs inside it: a training one starts an iteration; an evaluation one
         # (module.eval()) runs in FP8 only with fp8_eval=True
+        if self._module is not None and not getattr(self, "_parallel_adopted", False):
+            self._adopt_parallel_module()
         training = self._module is not None and self._module.training
         return self._model_forward_context(training, training or self.fp8_eval)
 
@@ -105,6 +110,17 @@ class FP8Precision(FP8PrecisionCore, Precision):
         """Floating-point outputs of the set-up module in the default dtype (float32), as Fabric's own "bf16-mixed"
         returns them: a loss computed from them is computed in float32, whatever the last layer computed in."""
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+    def _adopt_parallel_module(self) -> None:
+        """Once, at the first forward (Fabric converts before the strategy's parallelize function runs, so the
+        conversion summary could not show it): tensor parallelism's layers adopted (FP8 metadata local, the styles
+        told gradient_communication) and reported."""
+        self._parallel_adopted = True
+        if adopt_tensor_parallel(self, self._module) or any(row.parallel for row in precision_map(self._module)):
+            from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info("\n".join(["lightning_fp8: after the parallelize function:",
+                                      *conversion_summary(self._module).tensor_parallel_lines()]))
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
         self._check_distributed_setup()
@@ -131,14 +147,17 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     def _check_distributed_setup(self) -> None:
         """Once, at the first backward (Fabric has sharded or wrapped the model by then): under FSDP2 the FP8
-        reduce-scatter (gradient_communication="fp8") and a warning if FP8 all-gather was not set up; under DDP an
-        error naming the call gradient_communication="fp8" needs (the gradients would be reduced in BF16 instead)."""
+        reduce-scatter (gradient_communication="fp8") and a warning if FP8 all-gather was not set up; under tensor
+        parallelism alone nothing more (its styles reduce as the option says); under DDP an error naming the call
+        gradient_communication="fp8" needs (the gradients would be reduced in BF16 instead)."""
         if getattr(self, "_distributed_checked", False) or self._module is None:
             return
         self._distributed_checked = True
         if is_fsdp_sharded(self._module):
             warn_if_gathered_in_high_precision(self, self._module)
             register_gradient_communication(self.options, self._module)
+        elif adopt_tensor_parallel(self, self._module):
+            pass  # tensor parallelism alone: lightning_fp8's styles reduce as gradient_communication says
         elif (self.options.gradient_communication == "fp8" and not getattr(self, "_fp8_comm_ready", False)
               and torch.distributed.is_available() and torch.distributed.is_initialized()
               and torch.distributed.get_world_size() > 1):

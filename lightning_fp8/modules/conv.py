@@ -67,10 +67,11 @@ class FP8ConvNd(FP8Layer):
         return self.weight
 
     # -- forward ----------------------------------------------------------------------------------------------------
-    def high_precision_forward(self, x: Tensor, weight: Tensor) -> Tensor:
-        return self._conv_forward(x, weight, self.bias)
+    def high_precision_forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return self._conv_forward(x, weight, bias)
 
-    def fp8_forward(self, x: Tensor, weight: Tensor, recipe: FP8Recipe, training: bool, observer) -> Tensor:
+    def fp8_forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe, training: bool,
+                    observer) -> Tensor:
         one_d = len(self.kernel_size) == 1
         unbatched = x.dim() == len(self.kernel_size) + 1
         if unbatched:
@@ -83,7 +84,7 @@ class FP8ConvNd(FP8Layer):
         out_dtype = _output_dtype(x)
         meta = self.fp8_meta
         if recipe.scaling in TILED_SCALINGS:
-            y = fine_grained_conv(self, x4, w4, self.bias, recipe, training, observer, out_dtype, geometry)
+            y = fine_grained_conv(self, x4, w4, bias, recipe, training, observer, out_dtype, geometry)
         elif recipe.scaling not in PER_TENSOR_SCALINGS:
             raise ValueError(f"{type(self).__name__}: FP8Recipe.scaling={recipe.scaling!r} has no convolution path; "
                              f"valid choices: {list(CONV_SCALINGS)}")
@@ -95,7 +96,7 @@ class FP8ConvNd(FP8Layer):
             w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight.reshape(weight.shape[0], -1), meta, recipe, "weight",
                                                          training)
             cfg = GemmConfig.build(recipe, out_dtype, training)
-            y = per_tensor_conv(x4, w4, self.bias, x_fp8, x_scale_inv, w_fp8.view(w4.shape), w_scale, w_scale_inv,
+            y = per_tensor_conv(x4, w4, bias, x_fp8, x_scale_inv, w_fp8.view(w4.shape), w_scale, w_scale_inv,
                                 meta.amax_history, observer, cfg, geometry)
         # the output in the layout nn.Conv2d gives it: channels-last where the input or the weight is
         y = y.squeeze(2).contiguous() if one_d else y.contiguous(

@@ -175,6 +175,20 @@ class RoleState:
     def __repr__(self) -> str:
         return f"RoleState({self.name})"
 
+    def __getattr__(self, name: str):
+        # torch's RowwiseParallel shards the `weight` of every submodule of the layer it is applied to, the FP8
+        # metadata included (`fp8_meta.weight` is this role view): say what to do instead of failing on `is_leaf`
+        if name == "is_leaf":
+            raise AttributeError(
+                "lightning_fp8: torch's RowwiseParallel was applied to an FP8 layer; it shards the `weight` of every "
+                "submodule, and the FP8 metadata has no weight to shard. Use lightning_fp8.distributed."
+                "FP8RowwiseParallel (same arguments) in its place. Under Fabric's ModelParallelStrategy that is the "
+                "only way: Fabric's FP8 plugin converts the model before your parallelize_fn. Elsewhere torch's "
+                "RowwiseParallel also works applied before conversion (Lightning converts after configure_model; "
+                "plain PyTorch: parallelize_module, then convert_to_fp8)."
+            )
+        raise AttributeError(f"'RoleState' object has no attribute {name!r}")
+
 
 def _resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
     """Keep the newest entries (slot 0 and the most recent completed steps) when the history length changes."""

@@ -19,7 +19,14 @@ from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import scaled_cast, tiled_cast
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
-from lightning_fp8.modules.precast import PrecastFP8Weight, observed_weight, resolve_precast
+from lightning_fp8.modules.precast import (
+    PER_TENSOR_SCALINGS,
+    PrecastFP8Input,
+    PrecastFP8Weight,
+    observed_weight,
+    resolve_precast,
+)
+from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
 from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
@@ -128,36 +135,47 @@ class FP8Layer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.fp8_weight()
+        if is_dtensor(weight):  # tensor parallelism: the FP8 forward on the local shards (modules/tensor_parallel.py)
+            return parallel_forward(self, x, weight, self.bias, self._forward_on)
+        refuse_gathered_input(x, self, "is not tensor-parallel")
+        return self._forward_on(x, weight, self.bias)
+
+    def _forward_on(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The forward with these operands (the layer's own, or its local shards under tensor parallelism)."""
         autocast_state = current_state()
         recipe = autocast_state.recipe or self.recipe
-        weight = self.fp8_weight()
-        # a weight FSDP2 all-gathered in FP8 stays FP8 only where this forward computes with that very cast
+        # an operand cast before this forward (a weight FSDP2 all-gathered in FP8, an input sequence parallelism
+        # all-gathered in FP8) stays FP8 only where this forward computes with that very cast
         fp8 = self._fp8_enabled and autocast_state.enabled and not autocast_state.calibrating
         weight = resolve_precast(weight, recipe, self.training, fp8)
+        x = resolve_precast(x, recipe, self.training, fp8)
         if autocast_state.calibrating:
             self._record_calibration(x, weight)
-            return self.high_precision_forward(x, weight)
+            return self.high_precision_forward(x, weight, bias)
         if not (self._fp8_enabled and autocast_state.enabled):
-            return self.high_precision_forward(x, weight)
+            return self.high_precision_forward(x, weight, bias)
         # training mode records amaxes and uses the recipe's scaling; eval mode casts with current scaling and leaves
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
         training = self.training
         self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
-        return self.fp8_forward(x, weight, recipe, training, observer)
+        return self.fp8_forward(x, weight, bias, recipe, training, observer)
 
-    def high_precision_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def high_precision_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The layer's own computation without FP8 (BF16 under autocast): what fallback, calibration and
-        `fp8_autocast(enabled=False)` run. A linear: F.linear; another FP8 layer class overrides it."""
-        return F.linear(x, weight, self.bias)
+        `fp8_autocast(enabled=False)` run. A linear: F.linear; another FP8 layer class overrides it. `weight` and
+        `bias` are the layer's own, or their local shards under tensor parallelism."""
+        return F.linear(x, weight, bias)
 
-    def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, recipe: FP8Recipe, training: bool, observer) -> torch.Tensor:
-        """The casts and the three FP8 GEMMs of y = x W^T + b (`weight` from `fp8_weight()`); training=True records
-        amaxes and uses the recipe's scaling. Another FP8 layer class (a convolution) overrides it with its own GEMMs,
+    def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP8Recipe,
+                    training: bool, observer) -> torch.Tensor:
+        """The casts and the three FP8 GEMMs of y = x W^T + b (`weight` from `fp8_weight()`, or its local shard under
+        tensor parallelism, as `bias`); training=True records amaxes and uses the recipe's scaling. Another FP8 layer class (a convolution) overrides it with its own GEMMs,
         and the switch, calibration, scale close and observer above stay shared."""
         if observer is not None:
-            observer("input", x)
+            observer("input", observed_weight(x))
             observer("weight", observed_weight(weight))
         meta = self.fp8_meta
         x2d = x.reshape(-1, weight.shape[1])
@@ -167,17 +185,21 @@ class FP8Layer(nn.Module):
             x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad))
             w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
             cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
-            out = apply_fp8_tiled_gemms(x2d, weight, self.bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
+            out = apply_fp8_tiled_gemms(x2d, weight, bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and kernels.materializes_transpose(x2d)
-        x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
+        if isinstance(x2d, PrecastFP8Input):
+            x_fp8, _, x_scale_inv = x2d.fp8_operands(meta.amax_history, ROLE_INDEX["input"], training)
+            x_t = x_fp8.t().contiguous() if materialize else None  # the layout wgrad reads (1 byte per element)
+        else:
+            x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
         if isinstance(weight, PrecastFP8Weight):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
         else:
             w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
         cfg = GemmConfig.build(recipe, _output_dtype(x), training)
         out = apply_fp8_gemms(
-            x2d, weight, self.bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
+            x2d, weight, bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
             observer, cfg,
         )
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -250,6 +272,15 @@ class FP8Linear(FP8Layer, nn.Linear):
         linear.bias = self.bias
         linear.train(self.training)
         return linear
+
+
+def casts_input_per_tensor(layer: nn.Module) -> bool:
+    """Whether `layer` is an FP8 layer computing in FP8 whose own recipe casts its input with one scale per tensor:
+    what tensor-parallel FP8 communication can carry (one scale per rank's bytes). A BF16 fallback casts nothing and a
+    fine-grained recipe (rowwise, blockwise) one scale per tile, so their styles communicate in high precision. (At
+    run time lightning_fp8/distributed/tensor_parallel.py's fp8_input_cast also reads fp8_autocast's state.)"""
+    return (isinstance(layer, FP8Layer) and layer.fp8_enabled
+            and layer.recipe.scaling in PER_TENSOR_SCALINGS)
 
 
 def _sync_enabled_flag_after_load(module: FP8Layer, incompatible_keys) -> None:

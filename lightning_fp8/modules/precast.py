@@ -1,4 +1,9 @@
-"""PrecastFP8Weight: a weight that reaches an FP8 layer already cast to FP8, with the scale it was cast with.
+"""PrecastFP8Weight / PrecastFP8Input: an operand that reaches an FP8 layer already cast to FP8, with its scale.
+
+Two producers cast a layer's operand before the layer runs, so that the bytes that travel between ranks are FP8:
+FSDP2's FP8 all-gather of a weight (PrecastFP8Weight) and tensor parallelism's FP8 all-gather of a sequence-parallel
+input (PrecastFP8Input, lightning_fp8/distributed/sequence_parallel.py). Both are a `PrecastFP8Tensor`; what follows
+says "weight", and holds for an input the same way (its role is "input", its GEMMs forward and wgrad).
 
 Why it exists: under FSDP2 with FP8 all-gather (lightning_fp8/distributed/all_gather.py) every rank casts its shard
 of a weight to FP8 with one scale all ranks agree on, and the all-gather moves the FP8 bytes. The unsharded weight
@@ -52,14 +57,14 @@ class CastKey:
     power_of_2: bool
 
     @staticmethod
-    def of(recipe: FP8Recipe, record: bool) -> Optional["CastKey"]:
-        """The key of the weight cast `recipe` makes (record: a training cast); None for recipes that do not scale
-        the weight per tensor."""
+    def of(recipe: FP8Recipe, record: bool, role: str = "weight") -> Optional["CastKey"]:
+        """The key of the cast of `role` ("weight" or "input") `recipe` makes (record: a training cast); None for
+        recipes that do not scale it per tensor."""
         if recipe.scaling not in PER_TENSOR_SCALINGS:
             return None
         return CastKey(
-            fmt=recipe.format_for("weight").name,
-            scaling=scaling_mode(recipe, "weight", record),
+            fmt=recipe.format_for(role).name,
+            scaling=scaling_mode(recipe, role, record),
             algo_max=recipe.amax_compute_algo == "max",
             margin=recipe.margin,
             power_of_2=recipe.power_of_2_scales,
@@ -67,18 +72,25 @@ class CastKey:
 
 
 class HighPrecisionSource(Protocol):
-    """Where a precast weight's exact high-precision values come from (the producer of the weight provides it)."""
+    """Where a precast operand's exact high-precision values come from (its producer provides it)."""
 
-    def high_precision(self, weight: "PrecastFP8Weight") -> Tensor:
+    def high_precision(self, weight: "PrecastFP8Tensor") -> Tensor:
         """The whole weight in `weight.dtype`, differentiable: its gradient is `weight`'s gradient."""
 
     def local_high_precision(self) -> Tensor:
         """The part of the weight this process holds, without communication (what observers sample)."""
 
 
-class PrecastFP8Weight(Tensor):
-    """A weight already cast to FP8: data + scale, presenting the shape and dtype of the high-precision weight (so
+class PrecastFP8Tensor(Tensor):
+    """An operand already cast to FP8: data + scale, presenting the shape and dtype of the high-precision tensor (so
     autograd gives it an ordinary gradient). See the module docstring for who reads what."""
+
+    #: the tensor role of the layer this operand is cast for (its cast key and history row)
+    ROLE = "weight"
+    #: what the error of a foreign read calls it
+    DESCRIPTION = "an FP8-precast tensor"
+    #: what the error of a foreign read tells the user to do
+    REMEDY = ""
 
     _data: Tensor
     _scale: Tensor
@@ -86,7 +98,7 @@ class PrecastFP8Weight(Tensor):
 
     @staticmethod
     def __new__(cls, data: Tensor, scale: Tensor, amax: Tensor, cast_key: CastKey, source: HighPrecisionSource,
-                dtype: torch.dtype, requires_grad: bool = False) -> "PrecastFP8Weight":
+                dtype: torch.dtype, requires_grad: bool = False) -> "PrecastFP8Tensor":
         return Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             device=data.device, requires_grad=requires_grad,
@@ -103,37 +115,35 @@ class PrecastFP8Weight(Tensor):
         self._source = source
 
     def __repr__(self) -> str:  # no data access: printing must not fail
-        return (f"PrecastFP8Weight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype}, "
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype}, "
                 f"cast={self.cast_key})")
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale", "_amax"], (self.cast_key, self._source, self.dtype)
+        return ["_data", "_scale", "_amax"], (type(self), self.cast_key, self._source, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        cast_key, source, dtype = meta
-        return PrecastFP8Weight(inner["_data"], inner["_scale"], inner["_amax"], cast_key, source, dtype)
+        cls, cast_key, source, dtype = meta
+        return cls(inner["_data"], inner["_scale"], inner["_amax"], cast_key, source, dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _VIEW_OPS and isinstance(args[0], PrecastFP8Weight):
+        if func in _VIEW_OPS and isinstance(args[0], PrecastFP8Tensor):
             src = args[0]
-            return PrecastFP8Weight(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.cast_key,
-                                    src._source, src.dtype)
-        names = [type(a).__name__ for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PrecastFP8Weight)]
+            return type(src)(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.cast_key, src._source,
+                             src.dtype)
+        found = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PrecastFP8Tensor)]
         raise RuntimeError(
-            f"lightning_fp8: {func} was called on a weight that FSDP2 all-gathered in FP8 ({names[0]}). Such a weight "
-            "is only read by its FP8 layer's forward (FP8 GEMMs, or the exact high-precision weight for every other "
-            "path); reading it elsewhere would see FP8-rounded values. If a module other than its FP8 layer uses this "
-            "weight (weight tying), or you need the weight during forward, turn FP8 all-gather off for it "
-            "(fp8_all_gather=False, or keep the layer out of FP8)."
+            f"lightning_fp8: {func} was called on {found[0].DESCRIPTION} ({type(found[0]).__name__}). Such a tensor is "
+            "only read by the FP8 layers it was cast for (FP8 GEMMs, or the exact high-precision values for every "
+            f"other path); reading it elsewhere would see FP8-rounded values. {found[0].REMEDY}"
         )
 
     # -- what the FP8 layer reads ----------------------------------------------------------------------------------
     def matches(self, recipe: FP8Recipe, record: bool) -> bool:
-        """Whether this is the weight cast `recipe` would make in this forward (training: record=True)."""
-        return CastKey.of(recipe, record) == self.cast_key
+        """Whether this is the cast `recipe` would make of this role in this forward (training: record=True)."""
+        return CastKey.of(recipe, record, self.ROLE) == self.cast_key
 
     def resolve(self, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
         """This weight where the forward computes in FP8 with the same cast (fp8=True and `matches`); otherwise the
@@ -170,17 +180,37 @@ class PrecastFP8Weight(Tensor):
         self.cast_key = cast_key
 
 
-def resolve_precast(weight: Tensor, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
-    """`weight` unless it is a PrecastFP8Weight that this forward cannot consume as it is (see `resolve`)."""
-    if isinstance(weight, PrecastFP8Weight):
-        return weight.resolve(recipe, record, fp8)
-    return weight
+class PrecastFP8Weight(PrecastFP8Tensor):
+    """A weight FSDP2 all-gathered in FP8 (lightning_fp8/distributed/all_gather.py)."""
+
+    ROLE = "weight"
+    DESCRIPTION = "a weight that FSDP2 all-gathered in FP8"
+    REMEDY = ("If a module other than its FP8 layer uses this weight (weight tying), or you need the weight during "
+              "forward, turn FP8 all-gather off for it (fp8_all_gather=False, or keep the layer out of FP8).")
 
 
-def observed_weight(weight: Tensor) -> Tensor:
-    """What an observer samples for `weight` (a precast weight's high-precision local part)."""
-    return weight.observed() if isinstance(weight, PrecastFP8Weight) else weight
+class PrecastFP8Input(PrecastFP8Tensor):
+    """A sequence-parallel input tensor parallelism all-gathered in FP8 (lightning_fp8/distributed/sequence_parallel.py):
+    the whole sequence, cast once with one scale every rank of the tensor-parallel group agreed on."""
+
+    ROLE = "input"
+    DESCRIPTION = "an input that sequence parallelism all-gathered in FP8"
+    REMEDY = ("Only FP8 layers may read the input FP8ColwiseParallel / PrepareFP8ModuleInput gathers; where other "
+              "code reads it, use torch's ColwiseParallel / PrepareModuleInput for that module (a high-precision "
+              "all-gather).")
 
 
-__all__ = ["PrecastFP8Weight", "CastKey", "HighPrecisionSource", "PER_TENSOR_SCALINGS", "resolve_precast",
-           "observed_weight"]
+def resolve_precast(tensor: Tensor, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
+    """`tensor` unless it is a precast operand that this forward cannot consume as it is (see `resolve`)."""
+    if isinstance(tensor, PrecastFP8Tensor):
+        return tensor.resolve(recipe, record, fp8)
+    return tensor
+
+
+def observed_weight(tensor: Tensor) -> Tensor:
+    """What an observer samples for `tensor` (a precast operand's high-precision local part)."""
+    return tensor.observed() if isinstance(tensor, PrecastFP8Tensor) else tensor
+
+
+__all__ = ["PrecastFP8Tensor", "PrecastFP8Weight", "PrecastFP8Input", "CastKey", "HighPrecisionSource",
+           "PER_TENSOR_SCALINGS", "resolve_precast", "observed_weight"]
