@@ -149,13 +149,15 @@ class FP8Layer(nn.Module):
         x2d = x.reshape(-1, weight.shape[1])
         needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
         if recipe.fine_grained:
-            # one op per tensor: x in both layouts (x^T only when a weight gradient will be computed), W in its own
-            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad))
+            # one op per tensor: x in both layouts (x^T only when a quantized weight gradient will be computed), W in
+            # its own
+            quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
+            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, quantized_wgrad))
             w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
             cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
             out = apply_fp8_tiled_gemms(x2d, weight, self.bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
-        materialize = needs_wgrad and kernels.materializes_transpose(x2d)
+        materialize = needs_wgrad and not recipe.high_precision_wgrad and kernels.materializes_transpose(x2d)
         x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
         if isinstance(weight, PrecastFP8Weight):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
@@ -192,7 +194,8 @@ class FP8Layer(nn.Module):
         scaling = self.recipe.scaling
         if scaling == "blockwise":
             scaling += f"({self.recipe.block_size})"
-        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={scaling}, precision={precision}"
+        wgrad = ", weight_grad=high_precision" if self.recipe.high_precision_wgrad else ""
+        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={scaling}{wgrad}, precision={precision}"
 
 
 class FP8Linear(FP8Layer, nn.Linear):
