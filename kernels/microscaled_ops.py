@@ -5,7 +5,9 @@
 
 One op per tensor, as `tiled_cast` (kernels/tiled_ops.py): both layouts a tensor's two GEMMs read, and the record of
 its amax into history[role, 0] (NaN / inf kept raw: the engine's overflow detection reads it). A layout not asked for
-(an empty tile) comes back as empty tensors.
+(an empty tile) comes back as empty tensors. The op returns E8M0 scales and packed FP4 data as their bytes (uint8), and
+`microscaled_cast` views them as `torch.float8_e8m0fnu` / `torch.float4_e2m1fn_x2`: inductor refuses to functionalize a
+mutating op with outputs of those dtypes ("auto_functionalized_v2 was not removed"), and a dtype view is free.
 
 - scaling "mxfp8": x_q in `fmt` (E4M3 / E5M2), block scales E8M0 (`torch.float8_e8m0fnu`) in grid layout
   (`numerics.tiles.grid_shape`), tensor scales empty;
@@ -83,24 +85,33 @@ def microscaled_cast_op(
                 amax = x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
             slot = history[role, 0]
             slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
-    data_dtype, scale_dtype = _dtypes(scaling, fmt)
+    data_dtype, scale_dtype = _op_dtypes(scaling, fmt)
     result = []
     for q, s, g in outputs:
-        result += [q if q is not None else _empty(x, data_dtype), s if s is not None else _empty(x, scale_dtype),
+        result += [q.view(data_dtype) if q is not None else _empty(x, data_dtype),
+                   s.view(scale_dtype) if s is not None else _empty(x, scale_dtype),
                    g if g is not None and g.numel() else _empty(x, torch.float32)]
     return tuple(result)  # type: ignore[return-value]
 
 
 def _dtypes(scaling: str, fmt: str) -> Tuple[torch.dtype, torch.dtype]:
+    """(data dtype, block-scale dtype) of a microscaled cast."""
     if scaling == "mxfp8":
         return get_format(fmt).dtype, microscaling.E8M0
     return E2M1.dtype, E4M3.dtype
 
 
+def _op_dtypes(scaling: str, fmt: str) -> Tuple[torch.dtype, torch.dtype]:
+    """The dtypes the op returns them in: E8M0 and packed FP4 as their bytes (module docstring)."""
+    data, scale = _dtypes(scaling, fmt)
+    as_bytes = lambda d: torch.uint8 if d in (microscaling.E8M0, E2M1.dtype) else d  # noqa: E731
+    return as_bytes(data), as_bytes(scale)
+
+
 @microscaled_cast_op.register_fake
 def _microscaled_cast_fake(x, history, role, scaling, fmt, tile, tile_t, hadamard_t, noise, noise_t, record):
     torch._check(x.dim() == 2, lambda: "microscaled_cast expects a 2-D tensor")
-    data_dtype, scale_dtype = _dtypes(scaling, fmt)
+    data_dtype, scale_dtype = _op_dtypes(scaling, fmt)
     m, n = x.shape
     result = []
     for layout_tile, (rows, cols) in ((tile, (m, n)), (tile_t, (n, _padded16(m) if hadamard_t else m))):
@@ -143,8 +154,9 @@ def microscaled_cast(
         noise_t, record,
     )
     tensor_scale = lambda t: t if t.numel() else None  # noqa: E731
-    first = (q, s, tensor_scale(g)) if len(tile) else (None, None, None)
-    second = (q_t, s_t, tensor_scale(g_t)) if len(tile_t) else (None, None, None)
+    data_dtype, scale_dtype = _dtypes(scaling, name)
+    first = (q.view(data_dtype), s.view(scale_dtype), tensor_scale(g)) if len(tile) else (None, None, None)
+    second = (q_t.view(data_dtype), s_t.view(scale_dtype), tensor_scale(g_t)) if len(tile_t) else (None, None, None)
     return first, second
 
 
