@@ -178,7 +178,7 @@ def test_the_precision_map_table_shows_each_fp8_layers_scaling(tmp_path):
     page = render_report(load_history(str(tmp_path)))
     table = page[page.index("<table class='precision-map'>"):]
     table = table[: table.index("</table>")]
-    assert "<th>scaling</th>" in table
+    assert "<th>recipe</th>" in table
     assert table.count("<td class='scaling'>blockwise</td>") == 1 and "<td class='scaling'>delayed</td>" in table
     assert "<td class='scaling'></td>" in table  # the BF16 layer
 

@@ -35,7 +35,8 @@ def fp8_engine(trainer) -> Optional[Any]:
 
 
 def precision_rows(model: nn.Module) -> List[Dict[str, str]]:
-    return [{"fqn": row.fqn, "precision": row.precision, "reason": row.reason, **({"scaling": row.scaling} if row.scaling else {})}
+    return [{"fqn": row.fqn, "precision": row.precision, "reason": row.reason, **({"scaling": row.scaling} if row.scaling else {}),
+             **({"recipe": row.recipe} if row.recipe else {})}
             for row in precision_map(model)]
 
 

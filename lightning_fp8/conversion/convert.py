@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 
 from lightning_fp8.conversion import kinds, transplant
+from lightning_fp8.conversion.block_scope import last_block_reasons
 from lightning_fp8.conversion.filters import (
     FIRST_LAST_SWITCH,
     SKIP_REASON_ATTR,
@@ -53,6 +54,7 @@ class LayerPrecision:
     flops_per_token: int = 0
     preview: bool = False
     scaling: str = ""  # an FP8 layer's scaling (its effective recipe's, e.g. "blockwise" after an escalation)
+    recipe: str = ""  # an FP8 layer's recipe in short (`FP8Recipe.label`: "mxfp8", "nvfp4", "delayed, wgrad bf16")
 
 
 def convert_to_fp8(
@@ -134,6 +136,10 @@ def plan_conversion(
             if reason is None:
                 candidates.append(fqn)
         decisions[fqn] = reason
+    if module_filter is None and recipe.keep_last_blocks_in_bf16 and candidates:
+        tail = last_block_reasons(model, candidates, recipe)  # the last blocks rule (conversion/block_scope.py)
+        decisions.update({fqn: reason for fqn, reason in tail.items() if fqn in decisions})
+        candidates = [fqn for fqn in candidates if fqn not in tail]
     if module_filter is None and recipe.keep_first_last_in_bf16 and candidates:
         order = layer_order(model, candidates, example_input)
         for fqn, reason in _first_last_reasons(order).items():
@@ -184,14 +190,14 @@ def precision_map(
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features
-            scaling = module.recipe.scaling
+            scaling, recipe_label = module.recipe.scaling, module.recipe.label
             if module.fp8_enabled:
                 note = getattr(module, "fp8_escalation_reason", None)
                 reason = f"converted; {note}" if note else "converted"
-                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling))
+                rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling, recipe=recipe_label))
             else:
                 reason = module.fp8_disabled_reason or "fp8_enabled=False"
-                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling))
+                rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, recipe=recipe_label))
             continue
         kind = kinds.linear_kind(module)
         if kind is not None:

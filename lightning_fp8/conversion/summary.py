@@ -32,6 +32,8 @@ LEAVING_FP8 = ("The model stays converted after training; lightning_fp8.revert_f
 class ConversionSummary:
     rows: List[LayerPrecision]
     module_types: Dict[str, int]  # class name -> count, for modules that hold parameters
+    #: how the recipe was chosen (recipe="auto": the device and why), shown first
+    note: Optional[str] = None
 
     @property
     def linear_rows(self) -> List[LayerPrecision]:
@@ -61,6 +63,11 @@ class ConversionSummary:
             f"lightning_fp8: {n_fp8} of {len(linear)} linear layers {verb} in FP8: {self.fp8_share:.1%} of linear "
             f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
         ]
+        if self.note:
+            lines.append(f"  {self.note}")
+        recipes = Counter(r.recipe for r in self.rows if r.precision == "fp8" and r.recipe)
+        if len(recipes) > 1 or (recipes and self.note):
+            lines.append("  recipes: " + ", ".join(f"{label} ({count} layers)" for label, count in recipes.items()))
         foreign = [r for r in self.rows if r.precision == "fp8" and r.reason != "converted" and not r.preview]
         if foreign:
             lines.append(f"  {len(foreign)} of them converted by another library: {_names([r.fqn for r in foreign])}")
@@ -92,23 +99,24 @@ class ConversionSummary:
         )
 
 
-def conversion_summary(model: nn.Module) -> ConversionSummary:
+def conversion_summary(model: nn.Module, note: Optional[str] = None) -> ConversionSummary:
     """The summary of a converted model (or, for a model not converted yet, of what conversion would do)."""
     types: Counter = Counter()
     for module in model.modules():
         if any(p is not None for p in module._parameters.values()):
             types[type(module).__name__] += 1
-    return ConversionSummary(precision_map(model), dict(types.most_common()))
+    return ConversionSummary(precision_map(model), dict(types.most_common()), note)
 
 
 def log_conversion_summary(
     model: nn.Module,
     info: Optional[Callable[[str], None]] = None,
     warn: Optional[Callable[[str], None]] = None,
+    note: Optional[str] = None,
 ) -> ConversionSummary:
     """Log the summary (`info`, default: logger "lightning_fp8" at INFO) and its warning (`warn`, default:
-    warnings.warn), e.g. through a framework's rank-zero logging; returns it."""
-    summary = conversion_summary(model)
+    warnings.warn), e.g. through a framework's rank-zero logging; returns it. `note`: how the recipe was chosen."""
+    summary = conversion_summary(model, note)
     (info or log.info)(summary.text())
     message = summary.warning()
     if message is not None:

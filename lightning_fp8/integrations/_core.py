@@ -33,7 +33,9 @@ class FP8PrecisionCore:
 
     def _init_core(self, options: FP8Options) -> None:
         self.options = options
-        self.recipe = options.resolved_recipe()
+        #: the recipe and where it came from (recipe="auto": the device it was chosen for, and why)
+        self.recipe_choice = options.recipe_choice()
+        self.recipe = self.recipe_choice.recipe
         self.preset = options.preset
         self.module_filter = options.module_filter
         self.optimizer_state = options.optimizer_state
@@ -73,11 +75,15 @@ class FP8PrecisionCore:
         if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
             from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
+            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn, note=self.recipe_note())
         exclude_fp8_meta_from_ddp_broadcast(module)
         self._module = module
         self.engine.attach(module)
         return module
+
+    def recipe_note(self) -> Optional[str]:
+        """The conversion summary's line on the recipe: what recipe="auto" chose, for which device, and why."""
+        return self.recipe_choice.describe() if self.options.recipe == "auto" else None
 
     def convert_for_fsdp(self, module: nn.Module) -> nn.Module:
         """Convert `module` for FSDP2 sharding: call it BEFORE `fully_shard` (in a LightningModule's configure_model, in
@@ -115,8 +121,11 @@ class FP8PrecisionCore:
         model's own state_dict leaves out. An open iteration is closed first: a checkpoint holds whole iterations."""
         self.engine.end_iteration()
         state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
+        if self.options.recipe == "auto":
+            state["auto_recipe"] = self.recipe_choice.to_dict()
         if self._module is not None:
             state["fp8_meta"] = fp8_state_dict(self._module)
+            state["layer_recipes"] = layer_recipe_state(self._module)
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -127,10 +136,35 @@ class FP8PrecisionCore:
                 f"lightning_fp8: the checkpoint was trained with {saved_recipe}, this run uses {self.recipe}; "
                 "the scaling state is loaded as it is."
             )
+        saved_auto = state_dict.get("auto_recipe")
+        if saved_auto is not None and self.options.recipe == "auto" and saved_auto["device"] != self.recipe_choice.device:
+            warnings.warn(f"lightning_fp8: the checkpoint's recipe='auto' chose {saved_auto['recipe']['scaling']} on "
+                          f"{saved_auto['device']}; on {self.recipe_choice.device} it chooses "
+                          f"{self.recipe.scaling}: the run resumes with the checkpoint's recipe for every layer")
         meta = state_dict.get("fp8_meta")
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
+        if self._module is not None and state_dict.get("layer_recipes"):
+            load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         self.engine.resync()
+
+
+def layer_recipe_state(module: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """Every FP8 layer's recipe (what recipe="auto", per-layer recipes, the NVFP4 scope and FP8LayerFallback's
+    escalations made of it), so a resumed run computes each layer as before."""
+    from lightning_fp8.conversion.convert import fp8_layers
+
+    return {fqn: layer.recipe.to_dict() for fqn, layer in fp8_layers(module).items()}
+
+
+def load_layer_recipe_state(module: nn.Module, saved: Dict[str, Dict[str, Any]]) -> None:
+    from lightning_fp8.conversion.convert import fp8_layers
+
+    for fqn, layer in fp8_layers(module).items():
+        if fqn in saved:
+            recipe = FP8Recipe.from_dict(saved[fqn])
+            if recipe != layer.recipe:
+                layer.recipe = recipe
 
 
 def exclude_fp8_meta_from_ddp_broadcast(module: nn.Module) -> None:

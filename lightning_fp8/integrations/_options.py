@@ -17,7 +17,7 @@ from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.loss_scaler import LossScaling, resolve_loss_scaling
-from lightning_fp8.presets import get_preset
+from lightning_fp8.presets import AUTO, RecipeChoice, auto_recipe, get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
@@ -29,8 +29,10 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class FP8Options:
     """Options of FP8 training (documented in docs/plugin.md; the adapters' docstrings repeat them).
 
-    recipe: an FP8Recipe (formats, scaling, which layers); or preset: a named recipe ("default", "conservative",
-        "mellempudi"). At most one of the two.
+    recipe: an FP8Recipe (formats, scaling, which layers); or "auto": the recipe for the device's compute capability
+        (`presets.auto_recipe`: mxfp8 on Blackwell, the per-tensor default elsewhere; logged in the conversion summary
+        and kept in checkpoints); or preset: a named recipe ("default", "conservative", "mellempudi"). At most one of
+        recipe and preset.
     module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
     loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
     init_loss_scale, growth_interval: the dynamic loss scaler's start value and clean steps before it doubles.
@@ -56,7 +58,7 @@ class FP8Options:
         reduce-scatter), half the bytes of a BF16 reduction.
     """
 
-    recipe: Optional[FP8Recipe] = None
+    recipe: Optional[Union[FP8Recipe, str]] = None
     preset: Optional[str] = None
     module_filter: Optional[ModuleFilter] = None
     loss_scaling: LossScaling = "auto"
@@ -84,8 +86,11 @@ class FP8Options:
     def validate(self) -> None:
         if self.recipe is not None and self.preset is not None:
             raise ValueError("give either recipe= or preset=, not both (a preset is a named recipe)")
-        if self.recipe is not None and not isinstance(self.recipe, FP8Recipe):
-            raise TypeError(f"recipe must be an FP8Recipe, got {type(self.recipe).__name__}")
+        if isinstance(self.recipe, str) and self.recipe != AUTO:
+            raise ValueError(f"recipe={self.recipe!r} is not valid; valid choices: an FP8Recipe, {AUTO!r} (the recipe "
+                             "for this device's compute capability), or None (the preset's)")
+        if self.recipe is not None and not isinstance(self.recipe, (FP8Recipe, str)):
+            raise TypeError(f"recipe must be an FP8Recipe or {AUTO!r}, got {type(self.recipe).__name__}")
         if self.preset is not None:
             get_preset(self.preset)  # raises naming the valid presets
         if self.optimizer_state not in OPTIMIZER_STATE_CHOICES:
@@ -105,7 +110,15 @@ class FP8Options:
         self.stability_config()  # validates the stability knobs
 
     def resolved_recipe(self) -> FP8Recipe:
-        return self.recipe if self.recipe is not None else get_preset(self.preset or "default")
+        return self.recipe_choice().recipe
+
+    def recipe_choice(self) -> RecipeChoice:
+        """The recipe with where it came from: recipe="auto" chooses for the device (`presets.auto_recipe`)."""
+        if self.recipe == AUTO:
+            return auto_recipe()
+        if self.recipe is not None:
+            return RecipeChoice(self.recipe, "", "given")
+        return RecipeChoice(get_preset(self.preset or "default"), "", f"preset {self.preset or 'default'!r}")
 
     def stability_config(self) -> StabilityConfig:
         return StabilityConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StabilityConfig)})

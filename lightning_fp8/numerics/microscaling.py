@@ -107,22 +107,28 @@ def dequantize_mx(q: Tensor, scales: Tensor, tile: Sequence[int]) -> Tensor:
 def fp4_codes(v: Tensor, noise: Optional[Tensor] = None) -> Tensor:
     """E2M1 codes (uint8 0..15, sign in bit 3) of float32 values already in [-6, 6]: round to nearest even, or with
     `noise` (uniform [0, 1), v's shape) stochastically to one of the two neighbours, unbiased (up where noise < the
-    distance to the lower one over the gap). A NaN rounds to +0: FP4 has no NaN (the block scale carries it)."""
-    magnitude = v.abs()
+    distance to the lower one over the gap). A NaN rounds to a zero (of its sign bit): FP4 has no NaN, the block scale
+    carries it."""
+    magnitude = v.abs().to(torch.float32)
     if noise is None:
-        code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-        for threshold, tie_up in _FP4_TIES:
-            code += (magnitude >= threshold if tie_up else magnitude > threshold).to(torch.uint8)
+        # the number of thresholds passed, in one pass: bucketize counts boundaries strictly below each value, so a
+        # ">=" threshold (tie up) becomes "> the float32 just below it" (exact for float32 values)
+        code = torch.bucketize(magnitude, _fp4_boundaries(v.device)).to(torch.uint8)
     else:
         table = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32, device=v.device)
-        lower = (magnitude.unsqueeze(-1) >= table[1:]).sum(-1)  # the largest grid value <= magnitude
+        lower = torch.bucketize(magnitude, table[1:], right=True)  # the number of grid values <= magnitude
         upper = (lower + 1).clamp(max=len(FP4_MAGNITUDES) - 1)
         lo, hi = table[lower], table[upper]
         gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
         up = noise < (magnitude - lo) / gap
         code = torch.where(up & (hi > lo), upper, lower).to(torch.uint8)
-    sign = (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
-    return code | sign
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _fp4_boundaries(device) -> Tensor:
+    edges = torch.tensor([t for t, _ in _FP4_TIES], dtype=torch.float32)
+    tie_up = torch.tensor([up for _, up in _FP4_TIES])
+    return torch.where(tie_up, torch.nextafter(edges, torch.zeros_like(edges)), edges).to(device)
 
 
 def fp4_values(codes: Tensor) -> Tensor:
@@ -208,10 +214,10 @@ def hadamard_transform(x: Tensor, matrix: Optional[Tensor] = None) -> Tensor:
     size = h.shape[0]
     rows, n = x.shape
     padded = -(-n // size) * size
-    x32 = x.to(torch.float32)
+    x32 = x.to(torch.float32).contiguous()  # a transposed view would make the batched matmul strided (~1000x slower)
     if padded != n:
         x32 = torch.nn.functional.pad(x32, (0, padded - n))
-    return (x32.reshape(rows, padded // size, size) @ h).reshape(rows, padded)
+    return (x32.view(rows * (padded // size), size) @ h).view(rows, padded)
 
 
 # -- helpers and the GEMM ----------------------------------------------------------------------------------------
@@ -227,10 +233,26 @@ def per_tile(x: Tensor, values: Tensor, tile: Sequence[int], op: Callable[[Tenso
 
 def operand_values(x: Tensor, contraction_dim: int) -> Tensor:
     """The float32 element values of a GEMM operand: FP8 exactly; FP4 unpacked along its contraction dimension (the
-    one it is packed along: 1 for the first operand, 0 for the second)."""
-    if x.dtype == E2M1.dtype:
-        return fp4_values(unpack_fp4(x, contraction_dim))
-    return x.to(torch.float32)
+    one it is packed along: 1 for the first operand, 0 for the second), through a table of the value pair of every
+    byte (one gather instead of unpacking codes)."""
+    if x.dtype != E2M1.dtype:
+        return x.to(torch.float32)
+    if contraction_dim == 0 and x.dim() == 2:
+        return operand_values(x.t(), 1).t()
+    pairs = _fp4_pair_table(x.device).index_select(0, x.contiguous().view(torch.uint8).reshape(-1).to(torch.int32))
+    return pairs.view(*x.shape[:-1], 2 * x.shape[-1])
+
+
+_FP4_PAIRS: dict = {}
+
+
+def _fp4_pair_table(device) -> Tensor:
+    """(256, 2) float32: the two E2M1 values of each byte (low nibble first)."""
+    key = str(device)
+    if key not in _FP4_PAIRS:
+        codes = torch.arange(256, dtype=torch.int32)
+        _FP4_PAIRS[key] = torch.stack([fp4_values(codes & 0x0F), fp4_values(codes >> 4)], dim=-1).to(device)
+    return _FP4_PAIRS[key]
 
 
 def gemm_reference(
