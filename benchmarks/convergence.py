@@ -5,6 +5,7 @@ constant-LR comparisons of short runs are noise). Several seeds, so the gap is r
 
     python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]
     python benchmarks/convergence.py --recipes rowwise blockwise --out benchmarks/results/convergence_finegrained
+    python benchmarks/convergence.py --recipes mxfp8 nvfp4 --out benchmarks/results/convergence_blackwell
 
 With --recipes, each seed runs BF16 once and FP8 once per recipe (the demo's --recipe scalings), all on the same
 seed, data order and validation set.
@@ -29,7 +30,8 @@ def main() -> None:
     parser = build_parser(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/convergence")
-    parser.add_argument("--recipes", nargs="+", default=None, choices=["delayed", "current", "rowwise", "blockwise"],
+    parser.add_argument("--recipes", nargs="+", default=None,
+                        choices=["delayed", "current", "rowwise", "blockwise", "mxfp8", "nvfp4"],
                         help="FP8 scalings to compare with BF16 (default: the preset's recipe only)")
     args = parser.parse_args()
     if args.recipes:
@@ -123,7 +125,7 @@ def compare_recipes(args) -> None:
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=2)
     with open(args.out + ".md", "w") as f:
-        f.write(f"# Convergence: fine-grained FP8 recipes vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
+        f.write(f"# Convergence: FP8 recipes {', '.join(args.recipes)} vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
                 f"{summary['machine']})\n\nconfig: {summary['config']}\n\n")
         f.write("| seed | bf16 val loss | " + " | ".join(f"{s} val loss | {s} gap" for s in args.recipes) + " |\n")
         f.write("|---|---|" + "---|---|" * len(args.recipes) + "\n")
@@ -136,7 +138,17 @@ def compare_recipes(args) -> None:
             skips = sum(r[scaling]["skipped_steps"] for r in rows)
             f.write(f"- {scaling}: mean gap {g['mean']:+.2%} (sd {g['sd']:.2%} over seeds), {skips} skipped steps\n")
         f.write(f"- bf16 seed-to-seed spread (relative sd of val loss): {summary['bf16_seed_spread_relative_sd']:.2%}\n")
+        f.write(f"- wall time per run (s), seeds {[r['seed'] for r in rows]}: bf16 {[round(r['bf16_seconds']) for r in rows]}"
+                + "".join(f", {s} {[round(r[s]['seconds']) for r in rows]}" for s in args.recipes)
+                + f" ({_cpu_name()}; shared with other jobs, so times are indicative)\n")
     print(open(args.out + ".md").read())
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
