@@ -23,11 +23,19 @@ amax is max(|x|) computed on the float32 bit patterns as integers: for non-negat
 is the float order, and every NaN pattern (sign cleared) sorts above +inf, so NaN propagates exactly like
 `torch.amax` and the per-program partial maxima combine with one integer `atomic_max`.
 
+Which rounding runs where (`lightning_fp8.kernels.use_soft_cast`, `hardware_cast_exact`): the hardware cvt only where
+Triton compiles it *and* it rounds exactly like the reference, that is sm90+ (H100, B200, RTX 50xx), and sm89 (L4,
+L40S, RTX 40xx) with Triton >= 3.9 (3.6 - 3.8 convert float32 there through float16 truncated toward zero,
+`cvt.rz.f16.f32`, then round again: 1.0625001 gives 1.0 instead of 1.125); the exact integer emulation everywhere
+else (sm80/86/87: A100, A10, RTX 30xx, where `.to(tl.float8e4nv)` does not compile). Evidence, compiled for every
+architecture with Triton's bundled ptxas and no GPU: tests/test_triton_compile.py.
+
 Nothing here has run on a GPU yet (the machine this was written on has none): the soft-cast variant was checked
 bit-exactly under the Triton interpreter on CPU; the hardware-cast variant only where the interpreter's own
 fp8 conversion is right. `tests/test_kernels.py -m cuda` is the GPU check.
 
-(Length: one kernel, the JIT helpers only it uses, and its two launchers; splitting them would scatter one kernel.)
+(Length: one kernel, the JIT helpers it shares with the fused AdamW step (optim/triton_adamw.py), the choice of
+conversion, and its two launchers; splitting them would scatter one kernel.)
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_fp8.kernels.launch import device_guard
 from lightning_fp8.numerics.formats import FP8Format
 
 ROUND_NEAREST = 0
@@ -79,6 +88,31 @@ def _soft_fp8_decode(code, MANT: tl.constexpr, BIAS: tl.constexpr):
     subnormal = mant.to(tl.float32) * sub_scale
     normal = (((exp - BIAS + 127) << 23) | (mant << (23 - MANT))).to(tl.float32, bitcast=True)
     return tl.where(exp == 0, subnormal, normal)
+
+
+@triton.jit
+def _soft_fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, HAS_INF: tl.constexpr):
+    """float32 value of a whole FP8 code (int32 in 0..255, torch's encoding), exact: sign, zeros, subnormals, and the
+    codes above the largest finite one (E4M3: 0x7F is NaN; E5M2: 0x7C is inf, the codes above it NaN)."""
+    mag_code = code & 0x7F
+    mag = _soft_fp8_decode(tl.minimum(mag_code, MAX_CODE), MANT, BIAS)
+    if HAS_INF:
+        mag = tl.where(mag_code == MAX_CODE + 1, float("inf"), mag)
+        mag = tl.where(mag_code > MAX_CODE + 1, float("nan"), mag)
+    else:
+        mag = tl.where(mag_code > MAX_CODE, float("nan"), mag)
+    # the sign as a bit: Triton 3.6 negates a float as 0 - x, which turns -0 into +0
+    return (mag.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_value(code, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+               HAS_INF: tl.constexpr, HW_CAST: tl.constexpr):
+    """float32 value of a whole FP8 code (sign and specials included): the hardware conversion or the exact one."""
+    if HW_CAST:
+        return code.to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        return _soft_fp8_value(code, MANT, BIAS, MAX_CODE, HAS_INF)
 
 
 @triton.jit
@@ -248,6 +282,11 @@ _TL_DTYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _BIAS = {"e4m3": 7, "e5m2": 15}
 
 
+def format_constexprs(fmt: FP8Format) -> dict:
+    """The constexprs that describe an FP8 format to `_fp8_code` / `_fp8_value` (shared with optim/triton_adamw.py)."""
+    return dict(FP8_DTYPE=_TL_DTYPES[fmt.name], MANT=fmt.mantissa_bits, BIAS=_BIAS[fmt.name], MAX_CODE=fmt.max_code)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -279,51 +318,49 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     dummy = x  # never dereferenced where a pointer is unused (constexpr-disabled branch)
     hist_len = hist.numel() if hist is not None else 1
-    _cast_kernel[grid](
-        x,
-        scale if scale is not None else dummy,
-        out if out is not None else dummy,
-        out_t if out_t is not None else dummy,
-        amax_bits if amax_bits is not None else dummy,
-        noise if noise is not None else dummy,
-        seed if seed is not None else dummy,
-        skip_if.view(torch.uint8) if skip_if is not None else dummy,
-        hist if hist is not None else dummy,
-        hist.view(torch.int32) if hist is not None else dummy,
-        cur_amax_bits if cur_amax_bits is not None else dummy,
-        scale_out if scale_out is not None else dummy,
-        scale_inv_out if scale_inv_out is not None else dummy,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        noise.stride(0) if noise is not None else 0,
-        noise.stride(1) if noise is not None else 0,
-        FP8_MAX=fmt.max,
-        FP8_DTYPE=_TL_DTYPES[fmt.name],
-        MANT=fmt.mantissa_bits,
-        BIAS=_BIAS[fmt.name],
-        MAX_CODE=fmt.max_code,
-        HW_CAST=hw_cast,
-        WRITE_ROW=out is not None,
-        WRITE_T=out_t is not None,
-        COMPUTE_AMAX=compute_amax,
-        HAS_SKIP=skip_if is not None,
-        ROUNDING=rounding,
-        SCALE_MODE=scale_mode,
-        SKIP_IF_HISTORY=skip_if_history,
-        RECORD=record,
-        RECORD_CUR=record_cur,
-        HIST_LEN=hist_len,
-        HIST_BLOCK=_next_pow2(max(hist_len, 2)),
-        SCALING=scaling,
-        ALGO_MAX=algo_max,
-        MARGIN_DIV=float(2.0**margin),
-        POW2=power_of_2,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        num_warps=4,
-    )
+    with device_guard(x):
+        _cast_kernel[grid](
+            x,
+            scale if scale is not None else dummy,
+            out if out is not None else dummy,
+            out_t if out_t is not None else dummy,
+            amax_bits if amax_bits is not None else dummy,
+            noise if noise is not None else dummy,
+            seed if seed is not None else dummy,
+            skip_if.view(torch.uint8) if skip_if is not None else dummy,
+            hist if hist is not None else dummy,
+            hist.view(torch.int32) if hist is not None else dummy,
+            cur_amax_bits if cur_amax_bits is not None else dummy,
+            scale_out if scale_out is not None else dummy,
+            scale_inv_out if scale_inv_out is not None else dummy,
+            m,
+            n,
+            x.stride(0),
+            x.stride(1),
+            noise.stride(0) if noise is not None else 0,
+            noise.stride(1) if noise is not None else 0,
+            FP8_MAX=fmt.max,
+            **format_constexprs(fmt),
+            HW_CAST=hw_cast,
+            WRITE_ROW=out is not None,
+            WRITE_T=out_t is not None,
+            COMPUTE_AMAX=compute_amax,
+            HAS_SKIP=skip_if is not None,
+            ROUNDING=rounding,
+            SCALE_MODE=scale_mode,
+            SKIP_IF_HISTORY=skip_if_history,
+            RECORD=record,
+            RECORD_CUR=record_cur,
+            HIST_LEN=hist_len,
+            HIST_BLOCK=_next_pow2(max(hist_len, 2)),
+            SCALING=scaling,
+            ALGO_MAX=algo_max,
+            MARGIN_DIV=float(2.0**margin),
+            POW2=power_of_2,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=4,
+        )
 
 
 def launch_cast(

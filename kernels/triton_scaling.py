@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_fp8.kernels.launch import device_guard
 from lightning_fp8.kernels.triton_cast import _next_pow2, _scale_from_amax_rt
 
 
@@ -53,8 +54,9 @@ def launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, dela
     """Close one layer's step in place: history [3, L+1] float32 (contiguous), counters [3] int64, constants [3]."""
     assert history.dim() == 2 and history.is_contiguous()
     n_roles, length = history.shape
-    _close_step_kernel[(n_roles,)](
-        history, overflow_count, clip_count, fp8_max, scaled.to(torch.int8), delayed.to(torch.int8),
-        algo_max.to(torch.int8), margin.to(torch.float32), power_of_2.to(torch.int8),
-        HIST_LEN=length, HIST_BLOCK=_next_pow2(max(length, 2)), TAKEN=bool(taken), num_warps=1,
-    )
+    with device_guard(history):
+        _close_step_kernel[(n_roles,)](
+            history, overflow_count, clip_count, fp8_max, scaled.to(torch.int8), delayed.to(torch.int8),
+            algo_max.to(torch.int8), margin.to(torch.float32), power_of_2.to(torch.int8),
+            HIST_LEN=length, HIST_BLOCK=_next_pow2(max(length, 2)), TAKEN=bool(taken), num_warps=1,
+        )

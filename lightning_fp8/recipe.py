@@ -32,6 +32,7 @@ _MICROSCALING_FORMATS = {"mxfp8": ("e4m3", "hybrid"), "nvfp4": ("e2m1",)}
 NVFP4_BF16_TAIL = 0.15
 AMAX_ALGO_CHOICES = ("max", "most_recent")
 BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
+BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward")
 
 
 def _check_choice(field_name: str, value: Any, choices: Tuple[str, ...]) -> None:
@@ -54,8 +55,8 @@ class FP8Recipe:
         (1 x block_size tiles for inputs and gradients, block_size x block_size blocks for weights: DeepSeek-V3's
         recipe). A fine-grained recipe ignores amax_history_len / amax_compute_algo for its scales (the history
         still records each tensor's amax, for overflow detection and monitoring).
-    block_size: the tile length of scaling="blockwise" (128 is what the GPU's blockwise GEMMs take; other sizes run
-        emulated).
+    block_size: the tile length of scaling="blockwise": 128 is what the GPU's blockwise GEMMs take; other powers of
+        two from 16 run emulated (a warning says so on a GPU); anything else raises ValueError here.
     amax_history_len: steps of amax kept for delayed scaling.
     amax_compute_algo: "max" over the history, or "most_recent".
     margin: scale = fp8_max / amax / 2**margin; a margin of m leaves 2**m headroom for growth.
@@ -124,8 +125,16 @@ class FP8Recipe:
             raise ValueError(f"FP8Recipe.amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"FP8Recipe.margin must be an int >= 0, got {self.margin!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"FP8Recipe.block_size must be an int >= 1 (128 on GPUs), got {self.block_size!r}")
+        if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16
+                or self.block_size & (self.block_size - 1)):
+            raise ValueError(
+                f"FP8Recipe.block_size={self.block_size!r} is not valid: the GPU's blockwise FP8 GEMMs take 128 "
+                "(cuBLASLt, sm90); other tile lengths run emulated, and must tile 16-aligned dimensions evenly; "
+                "valid choices: 128, or another power of two >= 16 (16, 32, 64, 256, ...)"
+            )
+        for name in BOOLEAN_FIELDS:  # bool("no") is True: a string here would silently mean the opposite
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FP8Recipe.{name} must be True or False, got {getattr(self, name)!r}")
         if self.fine_grained and not self.scale_gradients:
             raise ValueError(
                 f"FP8Recipe(scaling={self.scaling!r}) scales every tile, gradients included: scale_gradients=False "

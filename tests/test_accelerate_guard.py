@@ -1,71 +1,15 @@
-"""Accelerate scripts as users have them: a plain `accelerate.Accelerator()` launched with fp8 through our launcher
-gets pointed to FP8Accelerator, and clipping every micro-batch inside `accumulate()` works as under BF16 when no loss
-scaling is active."""
-import os
-import subprocess
-import sys
-import warnings
+"""Accelerate scripts as users have them: clipping every micro-batch inside `accumulate()` works as under BF16 when no
+loss scaling is active. (Unchanged `accelerate.Accelerator()` scripts under the launcher: tests/test_examples.py and
+tests/test_accelerate_dropin.py.)"""
 
-import accelerate
-import accelerate.utils.imports as accelerate_imports
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState
 
 from helpers import loader, mlp
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs
-from lightning_fp8.integrations.accelerate import launch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests/conftest.py
-
-
-@pytest.fixture
-def guarded(monkeypatch):
-    """What each process launched with fp8 by `python -m lightning_fp8.accelerate launch` runs under."""
-    monkeypatch.setattr(accelerate.Accelerator, "__init__", accelerate.Accelerator.__init__)  # restored afterwards
-    launch.install_accelerator_check()
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
-
-
-def test_plain_accelerator_with_fp8_points_to_fp8accelerator(guarded):
-    with pytest.raises(RuntimeError, match="FP8Accelerator") as error:
-        accelerate.Accelerator(cpu=True)
-    assert "none of its FP8 backends" in str(error.value)
-
-
-def test_plain_accelerator_with_an_accelerate_backend_warns_whose_fp8_it_is(guarded, monkeypatch):
-    monkeypatch.setattr(accelerate_imports, "is_torchao_available", lambda: True)
-    with pytest.warns(UserWarning, match="Accelerate will run FP8 with torchao") as caught:
-        with pytest.raises(ImportError):  # torchao is not really installed here, so Accelerate itself then fails
-            accelerate.Accelerator(cpu=True)
-    assert "FP8Accelerator" in str(caught[0].message)
-
-
-def test_the_guard_leaves_fp8accelerator_and_other_precisions_alone(guarded, monkeypatch):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert FP8Accelerator(cpu=True).mixed_precision == "fp8"
-        AcceleratorState._reset_state(True)
-        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-        assert accelerate.Accelerator(cpu=True).mixed_precision == "bf16"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_launcher_points_an_unchanged_script_to_fp8accelerator():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    env.pop("ACCELERATE_MIXED_PRECISION", None)
-    cmd = [sys.executable, "-m", "lightning_fp8.accelerate", "launch", "--cpu", "--num_processes", "1",
-           "--num_cpu_threads_per_process", "1", "--mixed_precision", "fp8", os.path.join(HERE, "accelerate_plain_script.py")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=ROOT)
-    assert proc.returncode != 0 and "BUILT" not in proc.stdout
-    assert "Build lightning_fp8.accelerate.FP8Accelerator instead" in proc.stderr
-    assert "requires transformer_engine" not in proc.stderr  # our message comes first, not Accelerate's
 
 
 def _accumulate(accelerator, model, optimizer, clip, poison_second_micro_batch=False):

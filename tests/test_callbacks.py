@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from conftest import sqnr_db
 from helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, precision_map
-from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
+from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
 from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize, scale_from_amax
 from lightning_fp8.numerics.stats import quantization_stats, sample_elements
 
@@ -100,6 +101,25 @@ def test_sampling_uses_its_own_generator():
 
 
 # -- FP8ScaleMonitor -----------------------------------------------------------------------------------------------
+def test_default_run_log_is_readable_and_quiet(tmp_path):
+    """What a user sees by default: 4 metrics.csv columns per FP8 layer (before: 25), the run's worst values, and no
+    "Precision fp8-mixed is not supported by the model summary" warning (the summary is enabled, as by default)."""
+    logger = CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, however often it was seen before
+        t = trainer(plugins=[FP8Precision()], max_steps=3, logger=logger, log_every_n_steps=1,
+                    enable_model_summary=True, callbacks=[FP8ScaleMonitor()])
+        t.fit(RegressionModule(), loader())
+    assert not [w for w in caught if "model summary" in str(w.message)]
+    columns = set(read_csv(tmp_path / "run" / "version_0" / "metrics.csv")[0])
+    per_layer = sorted(c for c in columns if c.startswith("fp8/net."))
+    assert per_layer == [f"fp8/{fqn}/{name}" for fqn in ("net.2", "net.4")
+                         for name in ("fp8_enabled", "worst_overflow", "worst_sqnr_db", "worst_underflow")]
+    assert {"fp8/worst_sqnr_db", "fp8/worst_overflow", "fp8/loss_scale"} <= columns
+    history_layers = history(tmp_path / "run" / "version_0")[-2]["layers"]  # the history file keeps every statistic
+    assert set(history_layers["net.2"]["grad_output"]) >= set(STATS)
+
+
 def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
     seen = {}
 
@@ -109,7 +129,7 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
 
     model = RegressionModule()
     logger = CSVLogger(tmp_path, name="run")
-    monitor = FP8ScaleMonitor(log_every_n_steps=2)
+    monitor = FP8ScaleMonitor(log_every_n_steps=2, per_layer="full")
     t = trainer(plugins=[FP8Precision()], max_steps=6, logger=logger, log_every_n_steps=2, callbacks=[monitor, ObserverSpy()])
     t.fit(model, loader())
     layers = fp8_names(model)
@@ -483,3 +503,23 @@ def test_ddp_ranks_make_the_same_decision(tmp_path):
     assert ["net.4", "bf16"] in r0["map"]
     lines = (tmp_path / "ddp" / "version_0" / "fp8_history.jsonl").read_text().splitlines()
     assert sum(json.loads(line)["type"] == "run" for line in lines) == 1
+
+
+def test_callbacks_without_the_fp8_plugin_say_so_and_the_report_tells_the_truth(tmp_path):
+    """The FP8 callbacks on a Trainer with no FP8 plugin: nothing runs in FP8, so fit start warns (once, naming
+    them), and the history / report list every linear as BF16, not converted (before: no warning, and the report
+    counted the preview's "would be converted" layers as 2 layers in FP8)."""
+    from lightning_fp8.report import write_report
+
+    logger = CSVLogger(tmp_path, name="run")
+    t = trainer(max_steps=3, logger=logger, log_every_n_steps=1,
+                callbacks=[FP8Calibration(num_batches=1), FP8ScaleMonitor(), FP8LayerFallback()])
+    with pytest.warns(UserWarning, match="FP8Calibration, FP8LayerFallback, FP8ScaleMonitor are in this Trainer, but "
+                                         "nothing in this run computes in FP8") as caught:
+        t.fit(RegressionModule(), loader())
+    assert sum("nothing in this run computes in FP8" in str(w.message) for w in caught) == 1
+    rows = [r for r in history(tmp_path / "run" / "version_0") if r["type"] == "precision_map"][-1]["layers"]
+    assert len(rows) == 4 and {r["precision"] for r in rows} == {"bf16"}
+    assert sum("FP8Precision would convert it" in r["reason"] for r in rows) == 2  # net.2 and net.4, said as such
+    page = open(write_report(str(tmp_path / "run" / "version_0"))).read()
+    assert "<div class='n'>0</div><div class='l'>layers in FP8</div>" in page

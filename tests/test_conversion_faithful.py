@@ -195,8 +195,13 @@ def test_layers_conversion_would_change_are_left_alone_with_a_reason():
 
 
 def test_multihead_attention_fused_projection_is_named():
+    """An attention whose projections cannot run in FP8 (40 wide: not 16-aligned) stays
+    torch's own: its fused input projection and its functional out_proj are named, with why."""
+    model = nn.Sequential(nn.Linear(32, 40), nn.MultiheadAttention(40, 4), nn.Linear(40, 64))
+    rows = {row.fqn: row for row in precision_map(model)}
+    assert rows["1"].precision == "bf16" and "in_proj_weight" in rows["1"].reason and "16" in rows["1"].reason
+    assert rows["1"].flops_per_token == 3 * 40 * 40
+    assert "multiples of 16" in rows["1.out_proj"].reason
     model = nn.Sequential(nn.Linear(32, 64), nn.MultiheadAttention(64, 4), nn.Linear(64, 64))
     rows = {row.fqn: row for row in precision_map(model)}
-    assert rows["1"].precision == "bf16" and "in_proj_weight" in rows["1"].reason
-    assert rows["1"].flops_per_token == 3 * 64 * 64
-    assert "used functionally by nn.MultiheadAttention" in rows["1.out_proj"].reason
+    assert [rows[f"1.{p}"].flops_per_token for p in ("q_proj", "k_proj", "v_proj", "out_proj")] == [64 * 64] * 4

@@ -58,7 +58,7 @@ def test_first_and_last_count_only_layers_that_would_otherwise_convert():
     assert "last linear layer kept in BF16" in rows["mlp.2"].reason
     assert rows["mlp.0"].precision == "fp8"
 
-    class MHABlock(nn.Module):  # torchvision's ViT layout: a functional out-projection ahead of the MLP
+    class MHABlock(nn.Module):  # torchvision's ViT layout: an nn.MultiheadAttention ahead of the MLP
         def __init__(self):
             super().__init__()
             self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
@@ -69,8 +69,16 @@ def test_first_and_last_count_only_layers_that_would_otherwise_convert():
             return self.fc3(self.fc2(self.fc1(x)))
 
     rows = {r.fqn: r for r in precision_map(MHABlock(), example_input=torch.randn(2, 5, 64))}
-    assert "used functionally" in rows["attn.out_proj"].reason
-    assert "first linear layer" in rows["fc1"].reason and rows["fc2"].precision == "fp8"
+    # the attention's q, k and v projections read one tensor: they are the first group; its out_proj converts
+    assert all("first linear layer" in rows[f"attn.{p}"].reason or "reads the same input" in rows[f"attn.{p}"].reason
+               for p in ("q_proj", "k_proj", "v_proj"))
+    assert rows["attn.out_proj"].precision == rows["fc1"].precision == rows["fc2"].precision == "fp8"
+    block = MHABlock()  # with attention projections that cannot run in FP8, the attention stays torch's own
+    block.attn = nn.MultiheadAttention(40, 4, batch_first=True)
+    block.fc1 = nn.Linear(40, 128)
+    rows = {r.fqn: r for r in precision_map(block, example_input=torch.randn(2, 5, 40))}
+    assert "multiples of 16" in rows["attn"].reason and "multiples of 16" in rows["attn.out_proj"].reason
+    assert "first linear layer" in rows["fc2"].reason  # fc1 (40 -> 128) cannot convert either
 
 
 def test_without_an_example_input_the_module_order_is_used_and_said():

@@ -48,7 +48,7 @@ def test_fabric_trains_in_fp8_and_skips_nonfinite_steps():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with fabric.autocast():
         out = model(torch.randn(4, 32))
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.float32  # the module's outputs, as Fabric's bf16-mixed hands them back
 
 
 def test_fabric_save_and_load_resumes_identically(tmp_path):
@@ -87,3 +87,46 @@ def test_a_second_model_set_up_leaves_the_first_one_updating_its_scales_and_says
     assert not torch.equal(layer.fp8_meta.amax_history, history_before)  # the first model's scales still move
     assert layer.fp8_meta.amax_history[:, 1:].gt(0).any()  # closed steps entered its history
     assert sum(isinstance(m, FP8Linear) for m in second.modules()) == 2
+
+
+def test_outputs_come_back_in_float32_as_with_fabrics_bf16_mixed():
+    """Fabric's own "bf16-mixed" hands module outputs back in float32 (Precision.convert_output), so a user's loss is
+    computed in float32; the FP8 plugin follows the same convention (before: the last layer's BF16)."""
+    x = torch.randn(8, 32)
+    dtypes = {}
+    for name, kwargs in (("bf16-mixed", dict(precision="bf16-mixed")), ("fp8", dict(plugins=[FP8Precision()]))):
+        torch.manual_seed(0)
+        fabric = L.Fabric(accelerator="cpu", devices=1, **kwargs)
+        model = fabric.setup(mlp())
+        out = model(x)
+        dtypes[name] = (out.dtype, out.requires_grad)
+        nested = fabric.setup(_TwoOutputs())({"x": x})
+        assert nested["a"].dtype == nested["pair"][1].dtype == out.dtype and nested["ids"].dtype == torch.long
+    assert dtypes["fp8"] == dtypes["bf16-mixed"] == (torch.float32, True)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, batch):
+        x = batch["x"]
+        return {"a": self.a(x), "pair": (x, self.b(x)), "ids": torch.arange(3)}
+
+
+def test_fp8_eval_false_evaluates_in_the_compute_dtype():
+    """fp8_eval=False: forwards of the module in eval mode skip FP8 (before, Fabric ran them in FP8 regardless)."""
+    from lightning_fp8 import fp8_autocast
+
+    x = torch.randn(8, 32)
+    outs = {}
+    for fp8_eval in (False, True):
+        torch.manual_seed(0)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision(fp8_eval=fp8_eval)])
+        model = fabric.setup(mlp()).eval()
+        with torch.no_grad():
+            outs[fp8_eval] = model(x)
+            with fabric.autocast(), fp8_autocast(enabled=False):
+                outs["reference"] = model.module(x).float()
+    assert torch.equal(outs[False], outs["reference"]) and not torch.equal(outs[True], outs["reference"])

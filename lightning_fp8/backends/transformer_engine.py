@@ -1,9 +1,14 @@
 """Optional Transformer Engine backend: the same FP8Recipe, run by NVIDIA's TE modules instead of FP8Linear.
 
     from lightning_fp8.backends.transformer_engine import convert_to_te, te_autocast
-    model = convert_to_te(model, recipe)           # nn.Linear -> te.Linear (weights copied)
+    model = convert_to_te(model, recipe)           # nn.Linear -> te.Linear (the same Parameters)
     with te_autocast(recipe):                      # te.autocast / te.fp8_autocast with a recipe built from ours
         loss = model(x).sum()
+
+or, with the plugins' loss scaling, skip and rollback on top: `FP8Precision(backend="transformer_engine")`
+(Lightning, Fabric) / `FP8Kwargs(backend="transformer_engine")` (Accelerate), which convert with
+`convert_for_plugin` (the plugins' default filter decides which nn.Linear layers go to TE) and run every step under
+`te_autocast`.
 
 Only TE's public API is used: `transformer_engine.pytorch.Linear`, `transformer_engine.pytorch.autocast` (TE 2.x,
 `recipe=`) or the older `transformer_engine.pytorch.fp8_autocast` (`fp8_recipe=`), and
@@ -17,10 +22,12 @@ What maps and what does not:
   rounding="stochastic", scale_gradients=False -> ValueError: TE has no equivalent
   power_of_2_scales=True (the default) -> TE's own exact scales, with a one-time warning saying so (a scale's
                           rounding changes no FP8 code by more than one binade of headroom; nothing else differs)
-The engine's loss scaling, rollback and fallback keep working on top (they act on parameters and gradients),
-but TE layers have no `fp8_enabled` switch and no ScalingState, so per-layer fallback and the scale monitor see
-them as plain layers. Unverified here: this machine has neither a GPU nor TE; only the error paths and the
-recipe mapping (against a stand-in module) are tested.
+The engine's loss scaling, skip and rollback keep working on top (they act on parameters, gradients and the loss),
+but TE layers have no `fp8_enabled` switch and no lightning_fp8 scaling state: per-layer fallback, the scale
+monitor's statistics, calibration, layer_recipes, the engine's per-layer scale sync and FP8 all-gather do not see
+inside them (TE keeps and reduces its own scales). Unverified here: this machine has neither a GPU nor TE; the error
+paths, the recipe mapping and the plugins' use of TE's API are tested against a stand-in module with TE's public API
+shape (tests/conftest.py, `fake_te`). docs/status.md lists what only a GPU run with TE can confirm.
 """
 from __future__ import annotations
 
@@ -31,7 +38,6 @@ import inspect
 import warnings
 from typing import Callable, Iterator, Optional
 
-import torch
 from torch import nn
 
 from lightning_fp8.recipe import FP8Recipe
@@ -136,7 +142,9 @@ def convert_to_te(
     recipe: Optional[FP8Recipe] = None,
     module_filter: Optional[Callable[[nn.Module, str], bool]] = None,
 ) -> nn.Module:
-    """Replace the model's nn.Linear layers by te.Linear (weights and biases copied), in place; returns the model.
+    """Replace the model's nn.Linear layers by te.Linear, in place; returns the model. Each te.Linear takes the
+    original layer's `weight` / `bias` Parameters (optimizer references and tied weights stay valid, as with
+    lightning_fp8's own conversion).
 
     Layers whose features are not multiples of 16 stay nn.Linear (TE's FP8 GEMMs need them aligned), as do those
     `module_filter(module, fqn)` rejects. The recipe is checked here so an inexpressible one fails at conversion."""
@@ -161,10 +169,9 @@ def convert_to_te(
             params_dtype=module.weight.dtype,
             device=module.weight.device,
         )
-        with torch.no_grad():
-            new.weight.copy_(module.weight)
-            if module.bias is not None:
-                new.bias.copy_(module.bias)
+        new.weight = module.weight
+        if module.bias is not None:
+            new.bias = module.bias
         new.train(module.training)
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -172,4 +179,29 @@ def convert_to_te(
     return model
 
 
-__all__ = ["te_available", "te_recipe", "te_autocast", "convert_to_te"]
+#: why a linear layer stays as it is under backend="transformer_engine" although the plugins' filter would convert it
+TE_LINEAR_ONLY = "the Transformer Engine backend converts nn.Linear layers only (this one stays in BF16)"
+
+
+def convert_for_plugin(model: nn.Module, recipe: FP8Recipe,
+                       module_filter: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+    """The plugins' conversion with backend="transformer_engine": the layers lightning_fp8's conversion would put in
+    FP8 (its default filter: first / last, skip patterns, LoRA, alignment; or `module_filter`) that are nn.Linear
+    become te.Linear; every other linear layer keeps its reason, so `precision_map` and the conversion summary say
+    what runs where (te.Linear rows: "converted to FP8 by Transformer Engine")."""
+    from lightning_fp8.conversion.convert import CONVERTED_ATTR, plan_conversion
+    from lightning_fp8.conversion.filters import SKIP_REASON_ATTR
+
+    plan = plan_conversion(model, recipe, module_filter)
+    chosen = {fqn for fqn, reason in plan.items() if reason is None}
+    convert_to_te(model, recipe, lambda module, fqn: fqn in chosen)
+    for fqn, reason in plan.items():
+        module = model.get_submodule(fqn) if fqn else model
+        if type(module).__module__.split(".")[0] == "transformer_engine":
+            continue
+        module.__dict__[SKIP_REASON_ATTR] = reason if reason is not None else TE_LINEAR_ONLY
+    model.__dict__[CONVERTED_ATTR] = True
+    return model
+
+
+__all__ = ["te_available", "te_recipe", "te_autocast", "convert_to_te", "convert_for_plugin", "TE_LINEAR_ONLY"]

@@ -49,7 +49,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_fp8.modules.autocast import current_state, fp8_autocast
-from lightning_fp8.callbacks.hub import fp8_engine, hub_for
+from lightning_fp8.callbacks.hub import fp8_engine, hub_for, warn_if_nothing_in_fp8
 from lightning_fp8.conversion.convert import fp8_layers
 
 log = logging.getLogger("lightning_fp8")
@@ -97,6 +97,9 @@ class FP8Calibration(Callback):
         self.force = force
         #: batches the last pass used (0: no pass ran)
         self.calibrated_batches = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        warn_if_nothing_in_fp8(trainer, pl_module, type(self).__name__)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.calibrated_batches = 0

@@ -65,6 +65,7 @@ from lightning_fp8.callbacks.hub import (
     layer_counters,
     precision_rows,
     publish_metrics,
+    warn_if_nothing_in_fp8,
     watched_metrics,
 )
 from lightning_fp8.callbacks.sampling import StatsRecord
@@ -185,6 +186,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
             hub_for(trainer).setup_history(trainer)
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        warn_if_nothing_in_fp8(trainer, pl_module, type(self).__name__)
         self._apply(trainer, pl_module, announce=False)
 
     def on_train_start(self, trainer, pl_module) -> None:

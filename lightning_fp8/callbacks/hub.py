@@ -34,10 +34,48 @@ def fp8_engine(trainer) -> Optional[Any]:
     return getattr(plugin, "engine", None)
 
 
+#: what a precision-map row of a model no FP8 plugin converted says in the history file (the map's preview says
+#: what conversion *would* do; nothing of it ran)
+NOT_CONVERTED = "not converted: this run has no FP8 plugin (Trainer(plugins=FP8Precision()))"
+
+
 def precision_rows(model: nn.Module) -> List[Dict[str, str]]:
-    return [{"fqn": row.fqn, "precision": row.precision, "reason": row.reason, **({"scaling": row.scaling} if row.scaling else {}),
-             **({"recipe": row.recipe} if row.recipe else {})}
-            for row in precision_map(model)]
+    """The precision map as the history file records it: what each layer computed in. On a model no conversion ran
+    on, every row is BF16 (the map's preview of what conversion would do is said as such in the reason)."""
+    rows = []
+    for row in precision_map(model):
+        precision, reason = row.precision, row.reason
+        if row.preview:
+            precision = "bf16"
+            reason = f"{NOT_CONVERTED}; FP8Precision would convert it" if row.precision == "fp8" else (
+                f"{NOT_CONVERTED}; {reason}")
+        rows.append({"fqn": row.fqn, "precision": precision, "reason": reason,
+                     **({"scaling": row.scaling} if row.scaling and precision == "fp8" else {}),
+                     **({"recipe": row.recipe} if row.recipe and not row.preview else {})})
+    return rows
+
+
+def warn_if_nothing_in_fp8(trainer, pl_module, callback: str) -> None:
+    """At fit start: an FP8 callback in a run where nothing computes in FP8 (no FP8 plugin, no FP8 layer) says so,
+    once per Trainer for all of them, instead of reporting on layers that never ran in FP8."""
+    if fp8_engine(trainer) is not None or fp8_layers(pl_module):
+        return
+    hub = hub_for(trainer)
+    if hub.warned_no_fp8:
+        return
+    hub.warned_no_fp8 = True
+    import warnings
+
+    names = sorted({type(cb).__name__ for cb in getattr(trainer, "callbacks", []) if type(cb).__module__.startswith(
+        "lightning_fp8.")} | {callback})
+    warnings.warn(
+        f"lightning_fp8: {', '.join(names)} {'is' if len(names) == 1 else 'are'} in this Trainer, but nothing in this "
+        "run computes in FP8: the Trainer has no FP8 precision plugin and the model has no FP8 layers. Add "
+        "`plugins=lightning_fp8.FP8Precision()` to the Trainer. (The FP8 history and report record every layer as "
+        "BF16, not converted.)",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class StatsConsumer:
@@ -53,6 +91,8 @@ class StatsHub:
     """Per-Trainer coordinator (see the module docstring). Obtain it with `hub_for(trainer)`."""
 
     def __init__(self) -> None:
+        #: whether `warn_if_nothing_in_fp8` has spoken for this Trainer
+        self.warned_no_fp8 = False
         self.sampler: Optional[LayerStatsSampler] = None
         self._active_step: Optional[int] = None
         self.record: Optional[StatsRecord] = None

@@ -4,13 +4,22 @@ file the report reads.
 On every `log_every_n_steps`-th optimizer step (and the first one) it samples, for each FP8 layer and each tensor
 role (input, weight, grad_output), the scale the cast used, the amax, the overflow fraction, the underflow fraction
 and the quantization SQNR (definitions: `lightning_fp8.numerics.stats`), and logs them through `trainer.loggers`
-(CSV, TensorBoard, W&B, ...) as
+(CSV, TensorBoard, W&B, ...). By default (`per_layer="summary"`) four columns per layer, the figures a reader acts
+on, and the run's worst values:
+
+    fp8/<layer fqn>/fp8_enabled                             (1 in FP8, 0 in BF16)
+    fp8/<layer fqn>/worst_overflow | worst_underflow | worst_sqnr_db   (the worst of the layer's three roles)
+    fp8/worst_range_ratio | worst_overflow | worst_underflow | worst_sqnr_db   (the worst layer and role)
+
+`per_layer="full"` logs every statistic of every role instead (25 columns per layer; "none": the run's worst only):
 
     fp8/<layer fqn>/<role>/scale | amax | range_ratio | overflow | underflow | sqnr_db
     fp8/<layer fqn>/<role>/clipped_casts | nonfinite_casts   (casts that clipped / had a non-finite amax since
                                                               the previous log; from the layer's counters)
-    fp8/<layer fqn>/fp8_enabled                             (1 in FP8, 0 in BF16)
-    fp8/worst_range_ratio | worst_overflow | worst_underflow | worst_sqnr_db   (the worst layer and role)
+    fp8/<layer fqn>/fp8_enabled
+
+Whatever the setting, the history file below holds every statistic (the HTML report reads it), and any fp8/* name a
+callback of the run monitors is logged.
 
 The four `fp8/worst_*` summaries, and any fp8/* name a ModelCheckpoint / EarlyStopping / ReduceLROnPlateau of the run
 monitors, also go to `trainer.callback_metrics` through Lightning's `pl_module.log_dict` (see `publish_metrics` in
@@ -33,7 +42,7 @@ import inspect
 import logging
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -46,6 +55,7 @@ from lightning_fp8.callbacks.hub import (
     layer_counters,
     precision_rows,
     publish_metrics,
+    warn_if_nothing_in_fp8,
     watched_metrics,
 )
 from lightning_fp8.callbacks.sampling import STATS, StatsRecord
@@ -58,6 +68,8 @@ log = logging.getLogger("lightning_fp8")
 
 #: the thresholds of FP8LayerFallback's rules the report anchors its colours to (recorded in the run header)
 THRESHOLDS = ("overflow_factor", "min_sqnr_db", "max_underflow")
+#: what the loggers get per layer (see the module docstring)
+PER_LAYER_CHOICES = ("summary", "full", "none")
 
 
 def _compact(value: float) -> float:
@@ -98,8 +110,11 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             Trainer's `log_every_n_steps` (50 by default).
         sample_size: elements per tensor the underflow and SQNR statistics look at (amax and overflow always see
             the whole tensor).
-        log_counts: also log the clipped / non-finite cast counters per role.
+        log_counts: with per_layer="full", also log the clipped / non-finite cast counters per role.
         history_file: path of the JSON-lines history; None: `<trainer.log_dir>/fp8_history.jsonl`. False: no file.
+        per_layer: what the loggers get per layer: "summary" (fp8_enabled and the worst overflow, underflow and SQNR
+            over the layer's roles: 4 columns), "full" (every statistic of every role: 25 columns) or "none". The
+            history file always has everything.
     """
 
     def __init__(
@@ -108,7 +123,10 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         sample_size: int = DEFAULT_SAMPLE_SIZE,
         log_counts: bool = True,
         history_file: Any = None,
+        per_layer: str = "summary",
     ) -> None:
+        if per_layer not in PER_LAYER_CHOICES:
+            raise ValueError(f"per_layer={per_layer!r} is not valid; valid choices: {list(PER_LAYER_CHOICES)}")
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
             raise ValueError(f"log_every_n_steps must be an int >= 1 or None, got {log_every_n_steps!r}")
         if not isinstance(sample_size, int) or sample_size < 1:
@@ -117,6 +135,7 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self.sample_size = sample_size
         self.log_counts = log_counts
         self.history_file = history_file
+        self.per_layer = per_layer
         self._interval = log_every_n_steps or 50
         self._events_seen = 0
         self._restored_events_seen: Optional[int] = None
@@ -138,6 +157,9 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._writes = self.history_file is not False
         if stage == "fit" and self._writes:
             hub_for(trainer).setup_history(trainer, self.history_file or None, required=True)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        warn_if_nothing_in_fp8(trainer, pl_module, type(self).__name__)
 
     def on_train_start(self, trainer, pl_module) -> None:
         hub_for(trainer).reset_layers()
@@ -249,8 +271,25 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             "loss_scale": float(engine.loss_scale),
         })
 
-    def metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None) -> Dict[str, float]:
-        """The logger metrics of one record (names: see the module docstring)."""
+    def metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None,
+                keep: Iterable[str] = ()) -> Dict[str, float]:
+        """The logger metrics of one record for `per_layer` (names: see the module docstring), plus the names in
+        `keep` (what the run's callbacks monitor) whatever `per_layer` says."""
+        full = self._full_metrics(record, pl_module, counters)
+        if self.per_layer == "full":
+            return full
+        out = {name: value for name, value in full.items() if name in set(keep)}
+        if self.per_layer == "summary":
+            for fqn, layer in self._layers(pl_module).items():
+                out[f"fp8/{fqn}/fp8_enabled"] = float(layer.fp8_enabled)
+                roles = record.layers.get(fqn, {})
+                for stat, worst in (("overflow", max), ("underflow", max), ("sqnr_db", min)):
+                    values = [float(stats[stat]) for stats in roles.values() if not math.isnan(float(stats[stat]))]
+                    if values:
+                        out[f"fp8/{fqn}/worst_{stat}"] = worst(values)
+        return out
+
+    def _full_metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for fqn, layer in self._layers(pl_module).items():
             out[f"fp8/{fqn}/fp8_enabled"] = float(layer.fp8_enabled)
@@ -277,10 +316,11 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
 
     def _publish(self, trainer, pl_module, record: StatsRecord) -> None:
         counters = self._counter_deltas(pl_module) if self.log_counts else None
-        metrics = self.metrics(record, pl_module, counters)
+        watched = watched_metrics(trainer)
+        metrics = self.metrics(record, pl_module, counters, keep=watched)
         summary = worst_metrics(record)
         metrics.update(summary)
-        publish_metrics(trainer, pl_module, metrics, record.logger_step, callback_keys=[*summary, *watched_metrics(trainer)])
+        publish_metrics(trainer, pl_module, metrics, record.logger_step, callback_keys=[*summary, *watched])
         step_time = self._time_sum / self._time_steps if self._time_steps else None
         timed_steps, self._time_sum, self._time_steps = self._time_steps, 0.0, 0
         if not getattr(self, "_writes", False):

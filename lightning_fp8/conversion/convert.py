@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from lightning_fp8.conversion import kinds, transplant
+from lightning_fp8.conversion import attention, kinds, transplant
 from lightning_fp8.conversion.block_scope import last_block_reasons
 from lightning_fp8.conversion.filters import (
     FIRST_LAST_SWITCH,
@@ -29,6 +29,7 @@ from lightning_fp8.conversion.filters import (
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
 from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
+from lightning_fp8.modules.attention import ProjectedMultiheadAttention
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
 
@@ -79,7 +80,7 @@ def convert_to_fp8(
     passed as `model` is returned converted (there is no parent to replace it in)."""
     recipe = _check_recipe(recipe)
     per_layer = normalize_layer_recipes(layer_recipes)
-    decisions = plan_conversion(model, recipe, module_filter, example_input=example_input)
+    decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input)
     parents = _parent_index(model)
     if per_layer:
         warn_unmatched(per_layer, [fqn for fqn, reason in decisions.items() if reason is None])
@@ -96,6 +97,7 @@ def convert_to_fp8(
             model = new
         else:
             _replace_everywhere(parents, module, new)
+    attention.guard_fast_paths(model)
     model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
     if verbose:
         from lightning_fp8.conversion.summary import log_conversion_summary
@@ -148,6 +150,23 @@ def plan_conversion(
     return decisions
 
 
+def _plan_with_attention(model: nn.Module, recipe: FP8Recipe, module_filter: Optional[ModuleFilter],
+                         example_input: Any, preview: bool = False) -> Tuple[Dict[str, Optional[str]], list]:
+    """plan_conversion with nn.MultiheadAttention's projections exposed as modules (conversion/attention.py); the
+    attentions none of whose projections would convert are given back as torch's own (the exposed ones stay: the
+    caller converts them, or a preview hides them again). Returns the decisions and the attentions exposed."""
+    exposed = attention.expose_projections(model)
+    try:
+        decisions = plan_conversion(model, recipe, module_filter, example_input=example_input, preview=preview)
+    except BaseException:
+        for _, module in exposed:
+            attention.hide_projections(module)
+        raise
+    attention.keep_converting_attentions(exposed, decisions)
+    names = {fqn for fqn, _ in model.named_modules()}
+    return {fqn: reason for fqn, reason in decisions.items() if fqn in names}, exposed
+
+
 def revert_fp8(model: nn.Module) -> nn.Module:
     """Undo `convert_to_fp8`: FP8 layers become the original classes again (same Parameters, with the hooks and
     parametrizations they carried); returns the model."""
@@ -161,6 +180,8 @@ def revert_fp8(model: nn.Module) -> nn.Module:
             _replace_everywhere(parents, module, transplant.to_unconverted(module))
         else:
             module.__dict__.pop(SKIP_REASON_ATTR, None)
+            module.__dict__.pop(attention.ATTENTION_REASON_ATTR, None)
+    attention.restore(model)
     model.__dict__.pop(CONVERTED_ATTR, None)
     return model
 
@@ -184,7 +205,19 @@ def precision_map(
             "precision_map(model, recipe=..., module_filter=...) previews a conversion, but this model is converted "
             "already; call precision_map(model) for its state, or revert_fp8(model) first to preview other settings"
         )
-    plan = {} if converted else plan_conversion(model, recipe, module_filter, example_input=example_input, preview=True)
+    if converted:
+        return _precision_rows(model, converted, {})
+    # a preview: what conversion would do, attention projections included (given back afterwards)
+    plan, exposed = _plan_with_attention(model, recipe, module_filter, example_input, preview=True)
+    try:
+        return _precision_rows(model, converted, plan)
+    finally:
+        for _, module in exposed:
+            if isinstance(module, ProjectedMultiheadAttention):
+                attention.hide_projections(module)
+
+
+def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[str]]) -> List[LayerPrecision]:
     rows = []
     for fqn, module in model.named_modules():
         if isinstance(module, FP8Layer):

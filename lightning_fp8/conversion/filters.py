@@ -33,7 +33,8 @@ FIRST_LAST_SWITCH = "recipe.keep_first_last_in_bf16"
 
 def structural_skip_reason(module: nn.Module) -> Optional[str]:
     """Reasons no filter can override: the layer cannot run an FP8 GEMM as it is used (None: it can)."""
-    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+    if (isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear)
+            and not module.__dict__.get("_fp8_called_as_module")):  # see conversion/attention.py
         return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
     if isinstance(module._parameters.get("weight"), nn.parameter.UninitializedParameter):  # (no parametrized read)
         return "LazyLinear not initialized yet (run one forward before conversion)"

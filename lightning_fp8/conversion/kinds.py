@@ -4,6 +4,8 @@ A *linear kind* is a class whose forward is y = x W^T + b in some storage layout
 
     nn.Linear                        -> FP8Linear  (lightning_fp8/modules/linear.py)
     transformers.pytorch_utils.Conv1D -> FP8Conv1D (lightning_fp8/modules/hf_conv1d.py), GPT-2's projections
+    MultiheadAttentionProjection     -> FP8MultiheadAttentionProjection (lightning_fp8/modules/attention.py): the q, k
+                                        and v rows of an nn.MultiheadAttention made a module (conversion/attention.py)
 
 The registry holds *names*, not classes: a kind is looked up only when the module that defines its class is already
 imported (a model cannot hold a `Conv1D` unless transformers is imported), so lightning-fp8 never imports transformers
@@ -102,7 +104,15 @@ HF_CONV1D = LinearKind(
     weight_transposed=True,
 )
 
-_KINDS: List[LinearKind] = [LINEAR, HF_CONV1D]
+MHA_PROJECTION = LinearKind(
+    label="nn.MultiheadAttention projection",
+    source="lightning_fp8.modules.attention.MultiheadAttentionProjection",
+    fp8_class="lightning_fp8.modules.attention:FP8MultiheadAttentionProjection",
+    features=lambda m: (m.in_features, m.out_features),
+    build=lambda cls, m, recipe: cls.from_projection(m, recipe),
+)
+
+_KINDS: List[LinearKind] = [LINEAR, HF_CONV1D, MHA_PROJECTION]
 
 
 def register_linear_kind(kind: LinearKind) -> None:
@@ -172,7 +182,7 @@ FOREIGN_FP8 = {"torchao": "torchao", "transformer_engine": "Transformer Engine",
 FOREIGN_FP8_CLASSES = {"Float8Linear", "MXLinear", "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear",
                        "FP8Linear", "ScalingLinear"}
 
-NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear and transformers' Conv1D)"
+NO_FP8_PATH = "no FP8 path (FP8 covers nn.Linear, transformers' Conv1D and nn.MultiheadAttention's projections)"
 
 
 @dataclass(frozen=True)
@@ -214,11 +224,14 @@ def other_module(module: nn.Module) -> Optional[OtherModule]:
     if name == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
         return OtherModule("bf16", _conv1d_reason(cls), name, module.nx * module.nf)
     if isinstance(module, nn.MultiheadAttention):
+        if hasattr(module, "q_proj"):  # a ProjectedMultiheadAttention: its projections are rows of their own
+            return None
         e = module.embed_dim
+        why = module.__dict__.get("_fp8_attention_reason") or (
+            "not converted (a subclass with its own forward, or not in the model when convert_to_fp8 ran)")
         return OtherModule(
             "bf16",
-            "nn.MultiheadAttention's input projection (in_proj_weight: q, k, v) is applied by "
-            "F.multi_head_attention_forward, never through a linear module: " + NO_FP8_PATH,
+            f"nn.MultiheadAttention's input projection (in_proj_weight: q, k, v): {why}",
             "MultiheadAttention (in_proj)",
             e * e + module.kdim * e + module.vdim * e,
         )
@@ -253,6 +266,7 @@ __all__ = [
     "LinearKind",
     "LINEAR",
     "HF_CONV1D",
+    "MHA_PROJECTION",
     "register_linear_kind",
     "linear_kind",
     "features",

@@ -94,8 +94,8 @@ class ConversionSummary:
             head = "no layer " + ("would run" if self.preview else "runs")
         return (
             f"lightning_fp8: {head} in FP8. The model is made of: {found}. FP8 covers linear layers "
-            "(nn.Linear, transformers' Conv1D); convolutions and the other modules run in BF16. "
-            "See precision_map(model) for the reason of every layer."
+            "(nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections); convolutions and the other "
+            "modules run in BF16. See precision_map(model) for the reason of every layer."
         )
 
 

@@ -18,9 +18,11 @@ except Exception:  # pragma: no cover - builds without torch.distributed
 
 #: what the error message tells each framework's users to call in place of a late conversion
 _HOW_TO = (
-    "convert before sharding: with Lightning's ModelParallelStrategy call "
-    "`self.trainer.precision_plugin.convert_for_fsdp(module)` in configure_model before fully_shard; with Fabric "
-    "call `precision.convert_for_fsdp(module)` in your parallelize_fn before fully_shard; with plain PyTorch call "
+    "convert before sharding. With Lightning's ModelParallelStrategy the plugin does it before configure_model for "
+    "the layers the LightningModule holds by then (build the model in __init__, on the meta device with "
+    "`with trainer.init_module(empty_init=True):` for large ones); a model built inside configure_model needs "
+    "`self.trainer.precision_plugin.convert_for_fsdp(module)` there, before fully_shard. With Fabric's "
+    "ModelParallelStrategy the plugin converts before your parallelize_fn. With plain PyTorch call "
     "convert_to_fp8(module) and lightning_fp8.distributed.enable_fp8_all_gather(module) before fully_shard."
 )
 

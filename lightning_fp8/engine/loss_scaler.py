@@ -15,8 +15,20 @@ LOSS_SCALING_CHOICES = ("auto", "dynamic", "none")
 LossScaling = Union[str, float]
 
 
+def parse_loss_scaling(loss_scaling: Any) -> LossScaling:
+    """A static scale written as a string ("1024", "2e10": what a command line or a YAML file hands over) becomes the
+    float it spells; every other value is returned as it is (validated by `resolve_loss_scaling`)."""
+    if isinstance(loss_scaling, str) and loss_scaling not in LOSS_SCALING_CHOICES:
+        try:
+            return float(loss_scaling)
+        except ValueError:
+            return loss_scaling
+    return loss_scaling
+
+
 def resolve_loss_scaling(loss_scaling: LossScaling, gradients_scaled: bool, compute_dtype: torch.dtype) -> LossScaling:
-    """Turn "auto" into "dynamic" or "none"; validate the rest."""
+    """Turn "auto" into "dynamic" or "none"; validate the rest (a numeric string is its float)."""
+    loss_scaling = parse_loss_scaling(loss_scaling)
     if isinstance(loss_scaling, bool) or not isinstance(loss_scaling, (str, int, float)):
         raise ValueError(f"loss_scaling={loss_scaling!r} is not valid; valid choices: {list(LOSS_SCALING_CHOICES)} or a float")
     if isinstance(loss_scaling, (int, float)):

@@ -68,6 +68,8 @@ class FP8PrecisionCore:
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
+        if self.options.backend == "transformer_engine":
+            return self._convert_module_te(module)
         if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace now
             return adopt_sharded_module(self, module)
         module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
@@ -85,6 +87,33 @@ class FP8PrecisionCore:
         """The conversion summary's line on the recipe: what recipe="auto" chose, for which device, and why."""
         return self.recipe_choice.describe() if self.options.recipe == "auto" else None
 
+    def _convert_module_te(self, module: nn.Module) -> nn.Module:
+        """backend="transformer_engine": nn.Linear layers become te.Linear (backends/transformer_engine.py); the engine
+        runs loss scaling, skip and rollback on top, and says once what it cannot see inside TE layers."""
+        from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+        from lightning_fp8.backends.transformer_engine import convert_for_plugin
+
+        if is_fsdp_sharded(module):
+            raise NotImplementedError(
+                "lightning_fp8: backend='transformer_engine' under FSDP2 is not supported by the plugins (TE's layers "
+                "and their FP8 all-gather are set up through TE itself); use backend='lightning_fp8' with FSDP2."
+            )
+        if module is not self._module:
+            convert_for_plugin(module, self.recipe, self.module_filter)
+            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
+            rank_zero_warn(
+                "lightning_fp8: backend='transformer_engine': te.Linear layers keep their own FP8 scales (TE's "
+                "amax histories, reduced across ranks by te.autocast). Loss scaling, skipped steps and rollback of "
+                "the weights and optimizers are lightning_fp8's; per-layer scale statistics (FP8ScaleMonitor), "
+                "FP8LayerFallback, FP8Calibration and FP8 all-gather do not see inside TE layers, and a rollback does "
+                "not restore TE's scaling state."
+            )
+        exclude_fp8_meta_from_ddp_broadcast(module)
+        self._module = module
+        self.engine.attach(module)
+        return module
+
     def convert_for_fsdp(self, module: nn.Module) -> nn.Module:
         """Convert `module` for FSDP2 sharding: call it BEFORE `fully_shard` (in a LightningModule's configure_model, in
         Fabric's parallelize function). It converts as `convert_module` does and, with fp8_all_gather=True, makes
@@ -100,6 +129,12 @@ class FP8PrecisionCore:
 
     @contextlib.contextmanager
     def _fp8_context(self, fp8: bool) -> Iterator[None]:
+        if self.options.backend == "transformer_engine":
+            from lightning_fp8.backends.transformer_engine import te_autocast
+
+            with torch.autocast(self._device_type(), dtype=self.compute_dtype), te_autocast(self.recipe, enabled=fp8):
+                yield
+            return
         with torch.autocast(self._device_type(), dtype=self.compute_dtype), fp8_autocast(enabled=fp8):
             yield
 

@@ -2,6 +2,9 @@
 
     convert_for_fsdp(core, module)            before fully_shard: convert, then FP8 all-gather weights
                                               (fp8_all_gather=True)
+    prepare_for_sharding(core, module)        the same, called by the plugins themselves right before the user's
+                                              sharding code runs (Lightning's configure_model, Fabric's
+                                              parallelize_fn), when the model holds layers that would convert
     adopt_sharded_module(core, module)        the framework's own conversion call on a model already sharded:
                                               nothing may be replaced any more; refuse an unconverted model,
                                               otherwise attach the engine
@@ -36,7 +39,16 @@ _REGISTERED_ATTR = "_lightning_fp8_gradient_communication"
 
 def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
     """Convert `module` and (fp8_all_gather=True) make FSDP2 gather its FP8 layers' weights in FP8. Before
-    fully_shard: FSDP2 takes the modules and the all-gather extension as they are when it shards."""
+    fully_shard: FSDP2 takes the modules and the all-gather extension as they are when it shards. A module the plugin
+    prepared already (prepare_for_sharding, before the user's sharding code) is returned as it is."""
+    root = getattr(core, "_sharding_root", None)
+    if root is not None and any(m is module for m in root.modules()):
+        return module
+    if core.options.backend != "lightning_fp8":
+        raise NotImplementedError(
+            f"lightning_fp8: backend={core.options.backend!r} under FSDP2 is not supported by the plugins; use "
+            "backend='lightning_fp8' with FSDP2."
+        )
     if is_fsdp_sharded(module):
         raise RuntimeError(
             "lightning_fp8: convert_for_fsdp must run before fully_shard (FSDP2 keeps the modules and parameters it "
@@ -47,6 +59,27 @@ def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
         decisions = enable_fp8_all_gather(module)
         _log_all_gather(decisions)
     return module
+
+
+def prepare_for_sharding(core: "FP8PrecisionCore", module: nn.Module) -> bool:
+    """What the plugins do right before the user's sharding code runs (Lightning: `configure_model` under
+    ModelParallelStrategy; Fabric: the strategy's `parallelize_fn`): `convert_for_fsdp(module)`, so the documented
+    FSDP2 pattern (fully_shard in configure_model / parallelize_fn) trains in FP8 with FP8 all-gather and no extra
+    line. Only for a model not sharded yet that holds linear layers the recipe would convert (a model built inside
+    configure_model does not exist yet: it needs `convert_for_fsdp` before its fully_shard, and the strategy's
+    conversion afterwards says so). Returns whether it converted."""
+    from lightning_fp8.conversion.convert import is_converted, precision_map
+
+    if (is_fsdp_sharded(module) or getattr(core, "_sharding_root", None) is not None
+            or core.options.backend != "lightning_fp8"):  # the TE backend refuses FSDP2 at the strategy's conversion
+        return False
+    if not is_converted(module):
+        preview = precision_map(module, core.recipe, core.module_filter)
+        if not any(row.precision == "fp8" for row in preview if row.preview):
+            return False
+    convert_for_fsdp(core, module)
+    core._sharding_root = module
+    return True
 
 
 def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
@@ -130,5 +163,5 @@ def _log_all_gather(decisions: Dict[str, Optional[str]]) -> None:
     rank_zero_info(message)
 
 
-__all__ = ["convert_for_fsdp", "adopt_sharded_module", "register_gradient_communication",
+__all__ = ["convert_for_fsdp", "prepare_for_sharding", "adopt_sharded_module", "register_gradient_communication",
            "warn_if_gathered_in_high_precision"]

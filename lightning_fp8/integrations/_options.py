@@ -16,13 +16,17 @@ import torch
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.loss_scaler import LossScaling, resolve_loss_scaling
+from lightning_fp8.engine.loss_scaler import LossScaling, parse_loss_scaling, resolve_loss_scaling
 from lightning_fp8.presets import AUTO, RecipeChoice, auto_recipe, get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
 GRADIENT_COMMUNICATION_CHOICES = ("bf16", "fp8")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: who computes the FP8 layers (FP8Options.backend)
+BACKEND_CHOICES = ("lightning_fp8", "transformer_engine")
+#: options that must be real booleans
+BOOLEAN_OPTIONS = ("fp8_eval", "fp8_all_gather")
 
 
 @dataclass(kw_only=True)
@@ -56,6 +60,10 @@ class FP8Options:
         gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in FP8 with a
         scale shared across ranks (FP8-LM's automatic scaling: DDP through a comm hook, FSDP2 through a custom
         reduce-scatter), half the bytes of a BF16 reduction.
+    backend: who computes the FP8 layers: "lightning_fp8" (FP8Linear and the other FP8 layers of this library) or
+        "transformer_engine" (NVIDIA Transformer Engine's te.Linear under te.autocast, with the same recipe, loss
+        scaling, skip and rollback; per-layer features cannot see inside TE layers: docs/plugin.md, "Transformer
+        Engine backend"). Not to be confused with FP8Recipe.backend, the GEMM implementation of FP8Linear.
     """
 
     recipe: Optional[Union[FP8Recipe, str]] = None
@@ -79,6 +87,7 @@ class FP8Options:
     layer_recipes: Optional[LayerRecipes] = None
     fp8_all_gather: bool = True
     gradient_communication: str = "bf16"
+    backend: str = "lightning_fp8"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,10 +113,23 @@ class FP8Options:
                 f"gradient_communication={self.gradient_communication!r} is not valid; valid choices: "
                 f"{list(GRADIENT_COMMUNICATION_CHOICES)}"
             )
-        if not isinstance(self.fp8_all_gather, bool):
-            raise ValueError(f"fp8_all_gather must be True or False, got {self.fp8_all_gather!r}")
+        for name in BOOLEAN_OPTIONS:  # bool("no") is True: a string here would silently mean the opposite
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # a command line or a YAML file (LightningCLI: `--trainer.plugins.loss_scaling=1024`) hands a static scale
+        # over as a string, since the type is Union[str, float]: it means that float
+        self.loss_scaling = parse_loss_scaling(self.loss_scaling)
         resolve_loss_scaling(self.loss_scaling, True, torch.bfloat16)
         self.stability_config()  # validates the stability knobs
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={self.backend!r} is not valid; valid choices: {list(BACKEND_CHOICES)}")
+        if self.backend == "transformer_engine":
+            if self.layer_recipes:
+                raise ValueError("layer_recipes applies to lightning_fp8's own FP8 layers; backend='transformer_engine' "
+                                 "runs one TE recipe for every layer")
+            from lightning_fp8.backends.transformer_engine import te_recipe
+
+            te_recipe(self.resolved_recipe())  # TE installed, and the recipe expressible: said here, at construction
 
     def resolved_recipe(self) -> FP8Recipe:
         return self.recipe_choice().recipe

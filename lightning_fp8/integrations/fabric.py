@@ -14,8 +14,8 @@ boundaries, or at `fabric.save` (`state_dict`). Fabric never hands the plugin it
 engine meets each optimizer at its first step (then it joins the rollback snapshot with the state it had before that
 step), and LR schedulers must be registered (`plugin.register_lr_scheduler(scheduler)`) to roll back with them.
 
-Distributed training (docs/distributed.md): with ModelParallelStrategy (FSDP2) call
-`precision.convert_for_fsdp(module)` first in your parallelize function (FP8 all-gather of the weights), and resume a
+Distributed training (docs/distributed.md): with ModelParallelStrategy (FSDP2) the plugin converts the model with FP8
+all-gather weights before your parallelize function runs (see `_convert_before_parallelize`); resume a
 sharded checkpoint with `lightning_fp8.fabric.load_checkpoint(fabric, path, state)`: `fabric.load` hands a sharded
 checkpoint's plugin state back as a plain dict instead of loading it. With DDP and gradient_communication="fp8",
 call `precision.setup_gradient_communication(model)` after `fabric.setup`: Fabric never shows a precision plugin its
@@ -27,6 +27,8 @@ from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -35,7 +37,11 @@ from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.integrations._core import FP8PrecisionCore
-from lightning_fp8.integrations._distributed import register_gradient_communication, warn_if_gathered_in_high_precision
+from lightning_fp8.integrations._distributed import (
+    prepare_for_sharding,
+    register_gradient_communication,
+    warn_if_gathered_in_high_precision,
+)
 from lightning_fp8.integrations._options import FP8Options, option_names
 from lightning_fp8.recipe import FP8Recipe
 
@@ -72,8 +78,10 @@ class FP8Precision(FP8PrecisionCore, Precision):
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
         fp8_all_gather: bool = True,
         gradient_communication: str = "bf16",
+        backend: str = "lightning_fp8",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
+        _convert_before_parallelize()
         if self.optimizer_state != "fp32":
             raise ValueError(
                 "lightning_fp8.fabric.FP8Precision(optimizer_state='fp8') is not supported: Fabric sets up the "
@@ -88,8 +96,15 @@ class FP8Precision(FP8PrecisionCore, Precision):
             self.engine.register_lr_scheduler(scheduler)
 
     def forward_context(self) -> ContextManager:
-        # every forward of the set-up module runs inside it: a training one starts an iteration
-        return self._model_forward_context(self._module is not None and self._module.training, True)
+        # every forward of the set-up module runs inside it: a training one starts an iteration; an evaluation one
+        # (module.eval()) runs in FP8 only with fp8_eval=True
+        training = self._module is not None and self._module.training
+        return self._model_forward_context(training, training or self.fp8_eval)
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating-point outputs of the set-up module in the default dtype (float32), as Fabric's own "bf16-mixed"
+        returns them: a loss computed from them is computed in float32, whatever the last layer computed in."""
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
         self._check_distributed_setup()
@@ -136,6 +151,32 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     # state_dict / load_state_dict come from FP8PrecisionCore (first in the MRO): `fabric.save(path, {"fp8": plugin})`
     # stores and restores the engine state through them (Fabric's Stateful protocol).
+
+
+def _convert_before_parallelize() -> None:
+    """Make Fabric's ModelParallelStrategy convert for FSDP2 (FP8 all-gather weights) before the user's
+    parallelize_fn, when its precision is an FP8 plugin. Fabric converts a module (`convert_module`) before
+    `strategy.setup_module` calls parallelize_fn, but hands the precision plugin neither the strategy nor a call in
+    between, and FP8 all-gather must be installed before fully_shard; so `setup_module` of that one class is wrapped,
+    once per process, and does the extra step only for an FP8 plugin and data parallelism only (the same rule as the
+    Lightning plugin's configure_model)."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    original = ModelParallelStrategy.setup_module
+    if getattr(original, "_lightning_fp8", False):
+        return
+
+    def setup_module(self, module: Module) -> Module:
+        precision = self.precision
+        if isinstance(precision, FP8PrecisionCore):
+            mesh = self.device_mesh
+            if "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() == 1:
+                prepare_for_sharding(precision, module)
+        return original(self, module)
+
+    setup_module._lightning_fp8 = True  # type: ignore[attr-defined]
+    setup_module.__wrapped__ = original  # type: ignore[attr-defined]
+    ModelParallelStrategy.setup_module = setup_module
 
 
 def load_checkpoint(fabric: Any, path: Any, state: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:

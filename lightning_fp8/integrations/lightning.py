@@ -6,6 +6,7 @@ live in lightning_fp8.engine.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -19,7 +20,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.integrations._core import FP8PrecisionCore
-from lightning_fp8.integrations._distributed import register_gradient_communication
+from lightning_fp8.integrations._distributed import prepare_for_sharding, register_gradient_communication
 from lightning_fp8.integrations._options import FP8Options, option_names
 from lightning_fp8.recipe import FP8Recipe
 
@@ -53,11 +54,14 @@ class FP8Precision(FP8PrecisionCore, Precision):
         layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: layers that compute with another
             recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); `layer.recipe` is each layer's.
         fp8_all_gather: with FSDP2 (ModelParallelStrategy), all-gather FP8 layers' weights in FP8: half the bytes of
-            a BF16 all-gather. Needs the model converted before fully_shard: call
-            `self.trainer.precision_plugin.convert_for_fsdp(module)` in configure_model (docs/distributed.md).
+            a BF16 all-gather. The plugin converts the model before configure_model's fully_shard (a model built
+            inside configure_model: call `self.trainer.precision_plugin.convert_for_fsdp(module)` there first;
+            docs/distributed.md).
         gradient_communication: "bf16" (the strategy's own gradient reduction, in high precision) or "fp8" (gradients
             reduced in FP8 with a scale shared across ranks: a DDP comm hook, or FSDP2's reduce-scatter; half the
             bytes of BF16).
+        backend: "lightning_fp8" (this library's FP8 layers) or "transformer_engine" (NVIDIA TE's te.Linear and
+            te.autocast with the same recipe; loss scaling, skip and rollback stay the engine's; docs/plugin.md).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
@@ -88,8 +92,52 @@ class FP8Precision(FP8PrecisionCore, Precision):
         layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
         fp8_all_gather: bool = True,
         gradient_communication: str = "bf16",
+        backend: str = "lightning_fp8",
     ) -> None:
         self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
+        # Lightning's ModelSummary knows the bit widths of its own precision names only and warns for any other that
+        # it counts 32 bits per parameter instead; an FP8 run's parameters are float32 masters, so the estimate is
+        # right and the warning is noise (the message names this precision exactly, nothing else is filtered)
+        warnings.filterwarnings("ignore", message=rf"Precision {self.precision} is not supported by the model summary",
+                                category=UserWarning)
+
+    # -- FSDP2: conversion before configure_model's fully_shard ---------------------------------------------------
+    @contextlib.contextmanager
+    def module_init_context(self) -> Iterator[None]:
+        """Lightning enters this around `configure_model` (and `trainer.init_module()`). Under ModelParallelStrategy
+        the documented FSDP2 pattern calls fully_shard inside configure_model, after which no layer can be replaced;
+        so right before Lightning calls the hook, the model is converted with FP8 all-gather weights (see
+        `_before_configure_model`). Lightning hands a precision plugin no model here: the call is recognised by
+        wrapping, for this context only, the function Lightning calls the hook through
+        (lightning.pytorch.trainer.call._call_lightning_module_hook, the call of `_call_configure_model`)."""
+        from lightning.pytorch.trainer import call
+
+        original = call._call_lightning_module_hook
+
+        def call_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+            if hook_name == "configure_model":
+                self._before_configure_model(trainer)
+            return original(trainer, hook_name, *args, **kwargs)
+
+        with super().module_init_context():
+            call._call_lightning_module_hook = call_hook
+            try:
+                yield
+            finally:
+                call._call_lightning_module_hook = original
+
+    def _before_configure_model(self, trainer: Any) -> None:
+        """Under ModelParallelStrategy with data parallelism only (FSDP2; tensor parallelism with FP8 layers is not
+        supported), convert the LightningModule's layers with FP8 all-gather weights before the user's fully_shard."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, ModelParallelStrategy):
+            return
+        mesh = strategy.device_mesh
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            return
+        prepare_for_sharding(self, trainer.lightning_module)
 
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     def convert_input(self, data: Any) -> Any:

@@ -84,6 +84,17 @@ class FP8LinearMeta(nn.Module):
         scaling, as a fresh layer's do."""
         self.amax_history.zero_()
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A fresh layer's state on the buffers' current device. What a model built on the meta device needs after
+        `to_empty`: Lightning and Fabric materialize FSDP2 models that way and call `reset_parameters` on every
+        module that holds buffers (otherwise the histories, counters and constants would be uninitialized memory)."""
+        self.amax_history.zero_()
+        self.overflow_count.zero_()
+        self.clip_count.zero_()
+        self.enabled.fill_(True)
+        self.set_recipe(self.recipe)
+
     # -- checkpoint compatibility --------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         _upgrade_per_role_layout(state_dict, prefix)

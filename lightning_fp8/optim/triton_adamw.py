@@ -12,27 +12,64 @@ switch state.FP8_SQRT_V_ROUNDING = "nearest"; the kernel rounds sqrt(v) to neare
 weights, which draw from the seeded torch generator; CPU tensors) falls back to the torch reference per
 parameter, so the two backends produce the same results wherever they both apply.
 
+The FP8 moments are read and written as their uint8 codes and converted by the cast kernel's helpers
+(kernels/triton_cast.py), chosen as for the casts (`lightning_fp8.kernels.use_soft_cast`): the hardware cvt where it
+compiles and rounds like the reference (sm90+, sm89 with Triton >= 3.9), the exact integer rounding elsewhere. sm80/86/87 (A100, A10, RTX 30xx)
+cannot compile an e4m3 conversion at all, so without the integer variant the kernel would not run there.
+
+Non-finite values are kept as the reference keeps them: a NaN moment stays NaN, a block holding NaN or inf gets
+scale 1 (`_block_scale`: an integer max over the bit patterns, as the cast kernel's amax; `_saturate`: NaN
+selected around the clamp). Float tl.max / tl.maximum / tl.minimum return the other operand for a NaN on a GPU, which
+stored a NaN moment as -448 * s before.
+
 Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
 coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
 
 Verification status: NOT run on a GPU (none was available while writing it). Under the Triton interpreter on
-CPU (tests/test_optim.py::test_triton_kernel_under_interpreter) one step from the same state matches the
-reference: parameters to float32 rounding, scales, and every stored code except where the interpreter's own
-float8 conversion mis-rounds (it halves values that should round up to a power of two, see docs/numerics.md).
-The hardware float8 conversion is checked by tests/test_optim.py -m cuda only.
+CPU (tests/test_optim.py::test_interp_fused_adamw_step_matches_reference) one step from the same state matches the
+reference, also with NaN and inf gradients: parameters to float32 rounding, scales, and the stored codes (with the
+hardware-conversion variant, except where the interpreter's own float8 conversion mis-rounds: it halves values
+that should round up to a power of two, see docs/numerics.md). The hardware float8 conversion is checked by
+tests/test_optim.py -m cuda only; tests/test_triton_compile.py compiles both variants for every architecture.
 Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from lightning_fp8.kernels import use_soft_cast
+from lightning_fp8.kernels.launch import device_guard
+from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
+
+
+@triton.jit
+def _block_scale(values, mask, FMT_MAX: tl.constexpr, FLT_MAX: tl.constexpr):
+    """The block's quantization scale, blockwise.quantize_blockwise's rule: FMT_MAX / amax, 1 for a block that is all
+    zeros or holds inf or NaN. The amax is a max over the float32 bit patterns with the sign cleared, as integers (the
+    cast kernel's way): for non-negative floats integer order is float order and every NaN sorts above inf, so NaN
+    propagates like torch.amax; a float tl.max drops NaN on a GPU."""
+    bits = tl.where(mask, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    amax = tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+    ok = (amax > 0) & (amax < float("inf"))
+    scale = tl.minimum(tl.math.div_rn(FMT_MAX, tl.where(ok, amax, 1.0)), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(ok, scale, 1.0)
+
+
+@triton.jit
+def _saturate(y, FMT_MAX: tl.constexpr):
+    """Clamp to +-FMT_MAX with NaN kept, bit for bit (numerics.quantize.saturate): on a GPU tl.minimum / tl.maximum
+    return the other operand for a NaN, so NaN is selected around them; the NaN-propagating forms keep the compiled
+    kernel free of NaN-dropping float min/max (tests/test_triton_compile.py reads its PTX)."""
+    clamped = tl.minimum(tl.maximum(y, -FMT_MAX, propagate_nan=tl.PropagateNan.ALL), FMT_MAX,
+                         propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(y != y, y, clamped)
 
 
 @triton.jit
@@ -42,7 +79,10 @@ def _fp8_adamw_block_kernel(
     one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, bias_correction2_sqrt,
     DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, V_FP8: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, BLOCK: tl.constexpr, FLT_MAX: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, HAS_INF: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
+    # m_ptr (and v_ptr when V_FP8) hold E4M3 codes as uint8; v_ptr holds float16 otherwise
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -50,9 +90,11 @@ def _fp8_adamw_block_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(m_sinv_ptr + pid)
+    m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m = _fp8_value(m_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(m_sinv_ptr + pid)
     if V_FP8:
-        root = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
+        v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
+        root = _fp8_value(v_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(v_sinv_ptr + pid)
         v = root * root
     else:
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
@@ -68,22 +110,22 @@ def _fp8_adamw_block_kernel(
     p = p - step_size * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p, mask=mask)
 
-    # re-quantize the moments: scale = max / amax (1 for an all-zero or non-finite block), saturate, cast
-    m_amax = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
-    m_ok = (m_amax > 0) & (m_amax < float("inf"))
-    m_scale = tl.where(m_ok, tl.minimum(tl.math.div_rn(M_MAX, tl.where(m_ok, m_amax, 1.0)), FLT_MAX), 1.0)
-    m_q = tl.minimum(tl.maximum(m * m_scale, -M_MAX), M_MAX)
-    tl.store(m_ptr + offs, m_q.to(m_ptr.dtype.element_ty), mask=mask)
+    # re-quantize the moments: scale = max / amax (1 for an all-zero or non-finite block), saturate, cast; NaN stays
+    # NaN throughout, as in the reference
+    m_scale = _block_scale(m, mask, M_MAX, FLT_MAX)
+    m_q = _saturate(m * m_scale, M_MAX)
+    tl.store(m_ptr + offs, _fp8_code(m_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
     tl.store(m_sinv_ptr + pid, tl.math.div_rn(1.0, m_scale))
     if V_FP8:
         vs = tl.sqrt_rn(v)
     else:
         vs = v
-    v_amax = tl.max(tl.where(mask, tl.abs(vs), 0.0), axis=0)
-    v_ok = (v_amax > 0) & (v_amax < float("inf"))
-    v_scale = tl.where(v_ok, tl.minimum(tl.math.div_rn(V_MAX, tl.where(v_ok, v_amax, 1.0)), FLT_MAX), 1.0)
-    v_q = tl.minimum(tl.maximum(vs * v_scale, -V_MAX), V_MAX)
-    tl.store(v_ptr + offs, v_q.to(v_ptr.dtype.element_ty), mask=mask)
+    v_scale = _block_scale(vs, mask, V_MAX, FLT_MAX)
+    v_q = _saturate(vs * v_scale, V_MAX)
+    if V_FP8:
+        tl.store(v_ptr + offs, _fp8_code(v_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
+    else:
+        tl.store(v_ptr + offs, v_q.to(tl.float16), mask=mask)
     tl.store(v_sinv_ptr + pid, tl.math.div_rn(1.0, v_scale))
 
 
@@ -106,8 +148,10 @@ def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) 
 
 
 @torch.no_grad()
-def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
-    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts."""
+def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], *,
+                       hw_cast: Optional[bool] = None) -> None:
+    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts. `hw_cast`: the FP8 conversion
+    (None: the hardware cvt unless `use_soft_cast(param)`, as the casts choose; the interpreter tests force either)."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     state["step"] += 1
@@ -119,14 +163,20 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
     numel = param.numel()
     bs = group["block_size"]
     grid = (triton.cdiv(numel, bs),)
-    _fp8_adamw_block_kernel[grid](
-        param, grad, state["exp_avg"], state["exp_avg_scale_inv"], state["exp_avg_sq"], state["exp_avg_sq_scale_inv"],
-        numel,
-        1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1, bias_correction2**0.5,
-        DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
-        V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
-        FLT_MAX=torch.finfo(torch.float32).max,
-    )
+    exp_avg_sq = state["exp_avg_sq"].view(torch.uint8) if v_fp8 else state["exp_avg_sq"]
+    with device_guard(param):
+        _fp8_adamw_block_kernel[grid](
+            param, grad, state["exp_avg"].view(torch.uint8), state["exp_avg_scale_inv"], exp_avg_sq,
+            state["exp_avg_sq_scale_inv"],
+            numel,
+            1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1,
+            bias_correction2**0.5,
+            DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
+            V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
+            FLT_MAX=torch.finfo(torch.float32).max,
+            **format_constexprs(E4M3), HAS_INF=E4M3.has_inf,
+            HW_CAST=not use_soft_cast(param) if hw_cast is None else hw_cast,
+        )
 
 
 __all__ = ["supports", "adamw_step_triton_"]

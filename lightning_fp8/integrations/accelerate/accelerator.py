@@ -47,6 +47,7 @@ from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
+from lightning_fp8.integrations.accelerate import plain
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
 from lightning_fp8.integrations.accelerate.forward import wrap_forward
 from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
@@ -58,7 +59,7 @@ SUPPORTED_DISTRIBUTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, Di
 #: key in AcceleratorState's shared state recording that its "no" is really "fp8" run by this engine, so a second
 #: FP8Accelerator in the same process (AcceleratorState is a singleton) resolves to the same precision
 _SHARED_STATE_FLAG = "_lightning_fp8"
-_ACCELERATE_FP8_HANDLERS = ("FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs")
+_ACCELERATE_FP8_HANDLERS = plain.ACCELERATE_FP8_HANDLERS
 
 
 class FP8AcceleratorMixin:
@@ -85,7 +86,10 @@ class FP8AcceleratorMixin:
         if "kwargs_handlers" in arguments:
             arguments["kwargs_handlers"] = [h for h in handlers if not isinstance(h, FP8Kwargs)] or None
 
-        requested = _resolve_mixed_precision(arguments.get("mixed_precision"))
+        explicit = arguments.get("mixed_precision")
+        requested = _resolve_mixed_precision(explicit)
+        #: said at the first prepare when FP8 was requested for the process but this Accelerator runs otherwise
+        self._fp8_precision_note = _overruled_fp8_note(explicit, requested)
         self._fp8_core: Optional[FP8PrecisionCore] = None
         self._fp8_model: Optional[nn.Module] = None
         #: (user's optimizer, FP8AdamW) pairs from optimizer_state="fp8", to re-point LR schedulers
@@ -98,7 +102,8 @@ class FP8AcceleratorMixin:
                     "configures one of Accelerate's own FP8 backends. Pass lightning_fp8.accelerate.FP8Kwargs "
                     "instead, or use accelerate.Accelerator for TransformerEngine / torchao / MS-AMP."
                 )
-            self._fp8_core = (fp8_kwargs[0] if fp8_kwargs else FP8Kwargs()).build_core()
+            options = fp8_kwargs[0] if fp8_kwargs else (plain.default_kwargs() or FP8Kwargs())
+            self._fp8_core = options.build_core()
             arguments["mixed_precision"] = "no"  # Accelerate adds no autocast or GradScaler of its own
         elif fp8_kwargs:
             warnings.warn(
@@ -118,8 +123,14 @@ class FP8AcceleratorMixin:
         check_fsdp_version(self)
         AcceleratorState._shared_state[_SHARED_STATE_FLAG] = True
         self.fp8_enabled = True
+        checkpoint_state = FP8CheckpointState(self._fp8_core)
         # registered first, so it is always custom_checkpoint_0 whatever the user registers after
-        self.register_for_checkpointing(FP8CheckpointState(self._fp8_core))
+        self.register_for_checkpointing(checkpoint_state)
+        # and where Accelerate keeps its GradScaler, which under FP8 does not exist (our loss scaling is the engine's):
+        # transformers' Trainer saves `accelerator.scaler.state_dict()` in every checkpoint (scaler.pt) and loads it
+        # back on resume, so a Trainer checkpoint carries the FP8 state too. Accelerate's own save_state / load_state
+        # do not see it there (custom_checkpoint_0 carries it; see _scaler_hidden)
+        self.scaler = checkpoint_state
 
     # -- what the user sees ---------------------------------------------------------------------------------------
     @property
@@ -155,7 +166,14 @@ class FP8AcceleratorMixin:
         return self._fp8_core.engine.metrics() if self._fp8_core is not None else {}
 
     # -- prepare --------------------------------------------------------------------------------------------------
+    def _announce_precision(self) -> None:
+        """Once, at the first prepare: FP8 was requested for this process, but this Accelerator runs something else."""
+        note, self._fp8_precision_note = self._fp8_precision_note, None
+        if note and self.is_main_process:
+            warnings.warn(note, UserWarning, stacklevel=3)
+
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
+        self._announce_precision()
         core = self._fp8_core
         if core is None or getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -181,6 +199,7 @@ class FP8AcceleratorMixin:
         """Accelerate's prepare; under FSDP2 the FP8 model is converted (with FP8 all-gather weights) before Accelerate
         shards it, and its FP8 gradient reduce-scatter installed after (Accelerate's FSDP2 path never calls
         prepare_model)."""
+        self._announce_precision()
         fsdp2 = self._fp8_core is not None and self.is_fsdp2
         if fsdp2:
             args = tuple(self._fp8_prepare_fsdp2_model(obj) if isinstance(obj, nn.Module) else obj for obj in args)
@@ -252,7 +271,31 @@ class FP8AcceleratorMixin:
     def save_state(self, *args: Any, **kwargs: Any):
         if self._fp8_core is not None:
             self._fp8_core.engine.end_iteration()  # the checkpoint holds whole iterations
-        return super().save_state(*args, **kwargs)
+        with self._scaler_hidden():
+            return super().save_state(*args, **kwargs)
+
+    def load_state(self, *args: Any, **kwargs: Any):
+        with self._scaler_hidden():
+            return super().load_state(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _scaler_hidden(self) -> Iterator[None]:
+        """Accelerate's save_state / load_state treat a non-None `scaler` as a GradScaler (scaler.pt; under FSDP2 a
+        GradScaler-only call): the FP8 state, custom_checkpoint_0 there, is not written or read twice."""
+        scaler = self.scaler
+        if isinstance(scaler, FP8CheckpointState):
+            self.scaler = None
+        try:
+            yield
+        finally:
+            self.scaler = scaler
+
+    def free_memory(self, *objects: Any):
+        """Accelerate's free_memory (transformers' Trainer calls it at the start of every `train()`), and the engine
+        forgets the optimizers and schedulers prepared so far: the next prepare registers the new ones."""
+        if self._fp8_core is not None:
+            self._fp8_core.engine.track([], [])
+        return super().free_memory(*objects)
 
     # -- backward, unscale, clip ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -356,6 +399,25 @@ def check_fsdp_version(accelerator: Accelerator) -> None:
             f"{type(accelerator).__name__}(mixed_precision='fp8') supports FSDP through FSDP2 only: pass "
             "FullyShardedDataParallelPlugin(fsdp_version=2) (or fsdp_version: 2 in the accelerate config)."
         )
+
+
+def _overruled_fp8_note(explicit: Any, resolved: str) -> Optional[str]:
+    """The warning for an Accelerator that does not run FP8 although FP8 was requested for the process (which setting
+    won and why), or None."""
+    if resolved == "fp8" or not plain.fp8_requested():
+        return None
+    if explicit is not None:
+        why = (f"this Accelerator was built with mixed_precision={str(explicit)!r} explicitly (transformers' Trainer "
+               "passes it: `--bf16` / `--fp16`, TrainingArguments(bf16=True); TrainingArguments built before "
+               "lightning_fp8.accelerate.enable_fp8() pass 'no'), and an explicit argument wins over the launch "
+               "setting, as in Accelerate")
+        fix = "Remove that argument (transformers: drop --bf16 / --fp16) to train in FP8."
+    else:
+        why = (f"an Accelerator built earlier in this process fixed mixed precision to {resolved!r} "
+               "(AcceleratorState is one per process)")
+        fix = "Build the FP8 Accelerator first, or reset AcceleratorState."
+    return (f"lightning_fp8: FP8 was requested for this run (ACCELERATE_MIXED_PRECISION=fp8: `--mixed_precision fp8`, "
+            f"an accelerate config file or enable_fp8()), but {why}: this run trains in {resolved!r}, NOT in FP8. {fix}")
 
 
 def _resolve_mixed_precision(value: Any) -> str:

@@ -1,4 +1,6 @@
-"""The FP8 engine's state as an object `Accelerator.save_state` / `load_state` carry (register_for_checkpointing)."""
+"""The FP8 engine's state as an object checkpoints carry: `Accelerator.save_state` / `load_state`
+(register_for_checkpointing: custom_checkpoint_0.pkl) and transformers' `Trainer` (as `accelerator.scaler`:
+scaler.pt in every checkpoint-N folder, loaded back by `trainer.train(resume_from_checkpoint=...)`)."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -9,12 +11,23 @@ CHECKPOINT_FORMAT = "lightning_fp8.accelerate/1"
 
 
 class FP8CheckpointState:
-    """The engine's state (loss scaler, counters, rollback bookkeeping) as an object Accelerate's save_state /
-    load_state carry (register_for_checkpointing). Layer scales and amax histories are model buffers: they travel
-    with the model weights."""
+    """The engine's state (loss scaler, counters, rollback bookkeeping) and every FP8 layer's metadata (scales, amax
+    histories, fallback switches: not part of the model's state_dict), as an object checkpoints carry.
+
+    FP8Accelerator registers it for Accelerate's save_state / load_state and also puts it where Accelerate keeps a
+    GradScaler (`accelerator.scaler`; FP8 has none, the engine scales the loss), because that is what transformers'
+    Trainer saves with each checkpoint. Like a GradScaler it answers `get_scale()` and `is_enabled()`; loss scaling
+    itself goes through `accelerator.backward`."""
 
     def __init__(self, core: FP8PrecisionCore) -> None:
         self.core = core
+
+    def get_scale(self) -> float:
+        """The engine's current loss scale (1.0 without loss scaling)."""
+        return float(self.core.engine.loss_scale)
+
+    def is_enabled(self) -> bool:
+        return True
 
     def state_dict(self) -> Dict[str, Any]:
         return {"format": CHECKPOINT_FORMAT, **self.core.state_dict()}

@@ -1,0 +1,31 @@
+"""Launch every Triton kernel on the device of its tensors.
+
+Triton launches on the *current* CUDA device (and that device's current stream), not on the device of the tensors it
+is handed. A layer on cuda:1 while cuda:0 is current (Accelerate's `device_map="auto"`, pipeline stages, a second
+model on another GPU) would otherwise run its kernel on cuda:0 with cuda:1's pointers: an illegal address, or with
+peer access a kernel on the wrong device's stream, unordered with the work that produced its input.
+
+`device_guard(x)` makes x's device current for the launch and restores the previous one afterwards (what
+`torch.cuda.device` does; c10's DeviceGuard does the same for torch's own CUDA ops). CPU tensors (the Triton
+interpreter) need nothing. Every `kernel[grid](...)` launch in the package sits inside `with device_guard(t):` for a
+tensor `t` it passes to the kernel; tests/test_kernels.py checks that with an AST scan of `kernels/` and
+`lightning_fp8/`. This module imports torch only, so the kernels' callers can use it without triton.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+
+def device_guard(tensor: torch.Tensor) -> ContextManager:
+    """The context a kernel reading `tensor` must launch in: `torch.cuda.device(tensor.device)` for a CUDA tensor,
+    nothing for a CPU tensor (the interpreter runs on the host)."""
+    device = tensor.device
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+__all__ = ["device_guard"]

@@ -1,0 +1,367 @@
+"""The Triton kernels compiled ahead of time for the GPUs users have, on CPU: no GPU, nothing here is marked `cuda`.
+
+`triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))` runs Triton's whole
+pipeline down to its bundled ptxas for sm80 (A100), sm89 (L4, L40S, RTX 40xx), sm90 (H100), sm100 (B200) and sm120
+(RTX 50xx). The variants compiled are the ones the host code launches: each launcher (`launch_cast`,
+`launch_scaled_cast`, `launch_close_step`, `adamw_step_triton_`) runs on small CPU tensors with its kernel replaced by a
+recorder, and the recorded arguments give the signature (pointer dtypes, scalars) and the constexprs. So a launcher
+change that emits a variant which cannot compile somewhere fails here.
+
+What this proves (and what it cannot): that each architecture's *selected* variant compiles, that the hardware FP8
+conversion does not compile below sm89 (so the selection is needed, not luck), which conversion instructions the
+PTX holds, and that the fused AdamW step has no NaN-dropping float min/max left. Not: that the instructions compute
+what the reference computes (the interpreter suite checks the kernels' logic; `pytest -m cuda` the hardware).
+Works with Triton 3.6 (what the GPU machines run) and the newest release (what CI installs): the signature is read
+from the kernel's own argument names.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import warnings
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightning_fp8 import kernels  # noqa: E402
+from lightning_fp8.kernels import device as device_module  # noqa: E402
+from lightning_fp8.kernels import hardware_cast_exact, triton_cast, triton_version  # noqa: E402
+from lightning_fp8.numerics import E4M3, E5M2  # noqa: E402
+
+ARCHS = (80, 89, 90, 100, 120)
+FORMATS = (E4M3, E5M2)
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_POINTER_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
+    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+}
+#: the instruction that converts float32 to FP8 in one rounding (sm89+)
+DIRECT_CVT = {"e4m3": "cvt.rn.satfinite.e4m3x2.f32", "e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
+#: any conversion to or from an FP8 format in PTX
+ANY_FP8_CVT = re.compile(r"\bcvt\.[a-z0-9.]*(e4m3|e5m2)")
+#: a float min / max that returns the other operand for a NaN (PTX spells the propagating form `max.NaN.f32`)
+NAN_DROPPING_MIN_MAX = re.compile(r"\b(?:redux\.sync\.)?(?:max|min)(?:\.ftz)?(?:\.abs)?\.(?:f16|bf16|f32|f64)(?:x2)?\b")
+
+
+def capability(arch: int) -> Tuple[int, int]:
+    return arch // 10, arch % 10
+
+
+def on_gpu(monkeypatch, arch: int) -> None:
+    """CUDA tensors from here on are on a GPU of this architecture (for the code that asks: kernels.device), and the
+    launch guard does not need a CUDA runtime; the tensors themselves are fake (`fake_cuda`)."""
+    monkeypatch.delenv("LIGHTNING_FP8_SOFT_CAST", raising=False)
+    monkeypatch.setattr(device_module, "_cuda_profile", lambda index: device_module.DeviceProfile("cuda", capability(arch)))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+
+def fake_cuda(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    """Fake cuda:0 tensors with the shapes and dtypes of `tensors` (no data: the launches are only recorded)."""
+    with FakeTensorMode():
+        return [torch.empty(t.shape, dtype=t.dtype, device="cuda:0") for t in tensors]
+
+
+def selected_hw(monkeypatch, arch: int) -> bool:
+    """The conversion the casts choose on this GPU (`use_soft_cast`, what ops.py passes to the kernels)."""
+    with monkeypatch.context() as m:
+        on_gpu(m, arch)
+        return not kernels.use_soft_cast(fake_cuda(torch.zeros(2, 2))[0])
+
+
+# -- recording the launches the host code makes ---------------------------------------------------------------------
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` is recorded, nothing runs."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: List[Tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def record(monkeypatch, module, kernel_name: str, run: Callable[[], Any]) -> List["Variant"]:
+    """The kernel variants `run()` launches through `module.<kernel_name>`."""
+    recorder = _Recorder(getattr(module, kernel_name))
+    with monkeypatch.context() as m:
+        m.setattr(module, kernel_name, recorder)
+        run()
+    return [Variant.of(recorder.kernel, args, kwargs) for args, kwargs in recorder.launches]
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton signature type for {type(value).__name__}")
+
+
+class Variant:
+    """One compilable specialisation of a kernel: the signature of its run-time arguments, its constexprs and launch
+    options, hashable so that a variant is compiled once per architecture in a session."""
+
+    def __init__(self, kernel, signature: Dict[str, str], constexprs: Dict[str, Any], options: Dict[str, Any]):
+        self.kernel, self.signature, self.constexprs, self.options = kernel, signature, constexprs, options
+
+    @classmethod
+    def of(cls, kernel, args: tuple, kwargs: dict) -> "Variant":
+        names = kernel.arg_names
+        constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+        options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+        values = dict(zip(names, args))
+        signature = {n: "constexpr" if n in constexprs else _arg_type(values[n]) for n in names}
+        return cls(kernel, signature, constexprs, options)
+
+    def with_(self, **constexprs) -> "Variant":
+        return Variant(self.kernel, self.signature, {**self.constexprs, **constexprs}, self.options)
+
+    def key(self):
+        return (self.kernel.__name__, tuple(self.signature.items()), tuple(sorted(
+            (k, repr(v)) for k, v in self.constexprs.items())), tuple(sorted(self.options.items())))
+
+    def __repr__(self) -> str:
+        return f"{self.kernel.__name__}({self.constexprs})"
+
+
+_compiled: Dict[tuple, Any] = {}
+
+
+def compile_for(variant: Variant, arch: int):
+    """The compiled kernel (PTX in `.asm["ptx"]`), or the exception Triton raised; once per variant and arch."""
+    key = (variant.key(), arch)
+    if key not in _compiled:
+        source = ASTSource(variant.kernel, signature=dict(variant.signature), constexprs=dict(variant.constexprs))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Triton 3.9's notice about its fp-fusion default
+                _compiled[key] = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                                options=dict(variant.options))
+        except Exception as exc:  # noqa: BLE001 - the failure is the result under test
+            _compiled[key] = exc
+    return _compiled[key]
+
+
+def ptx_of(variant: Variant, arch: int) -> str:
+    compiled = compile_for(variant, arch)
+    if isinstance(compiled, Exception):
+        raise AssertionError(f"{variant} does not compile for sm{arch}: {_message(compiled)}") from compiled
+    return compiled.asm["ptx"]
+
+
+def _message(exc: BaseException) -> str:
+    """The whole chain of a compile error (Triton wraps the cause in CompilationErrors)."""
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+# -- the variants ---------------------------------------------------------------------------------------------------
+def cast_variant(monkeypatch, fmt, hw_cast: bool) -> Variant:
+    """The widest `launch_cast` variant: both layouts, amax, stochastic rounding with a noise tensor (which decodes
+    FP8 codes as well as encoding them)."""
+    x = torch.randn(16, 32)
+    return record(monkeypatch, triton_cast, "_cast_kernel", lambda: triton_cast.launch_cast(
+        x, torch.tensor(1.0), fmt, write_row=True, write_t=True, compute_amax=True, noise=torch.rand(16, 32),
+        hw_cast=hw_cast))[0]
+
+
+def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", **group) -> Variant:
+    """The variant `adamw_step_triton_` launches for a CUDA parameter on a GPU of this architecture (its own choice
+    of conversion, through kernels.use_soft_cast)."""
+    from lightning_fp8.optim import FP8AdamW, state as opt_state, triton_adamw
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    with monkeypatch.context() as m:
+        m.setattr(opt_state, "FP8_SQRT_V_ROUNDING", "nearest")  # the kernel's fp8 second moment
+        group = FP8AdamW([w], exp_avg_sq_dtype=exp_avg_sq_dtype, **group).param_groups[0]
+        state = opt_state.init_state(w, group)
+        on_gpu(m, arch)
+        keys = [k for k in state if k != "step"]  # step stays a CPU tensor, as FP8AdamW keeps it
+        param, grad, *moments = fake_cuda(w.detach(), w.detach(), *(state[k] for k in keys))
+        state = {"step": state["step"], **dict(zip(keys, moments))}
+        return record(m, triton_adamw, "_fp8_adamw_block_kernel",
+                      lambda: triton_adamw.adamw_step_triton_(param, grad, state, group))[0]
+
+
+#: constexprs that carry a number (block sizes, history length, format constants) rather than choose code
+NUMERIC_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "BLOCK", "HIST_LEN", "HIST_BLOCK", "MARGIN_DIV", "FP8_MAX", "MANT", "BIAS",
+                      "MAX_CODE", "M_MAX", "V_MAX", "FLT_MAX"}
+
+
+def _features(variant: Variant) -> set:
+    """What a variant exercises: each code-choosing constexpr's value and each argument's type."""
+    return ({(variant.kernel.__name__, "arg", k, t) for k, t in variant.signature.items() if t != "constexpr"}
+            | {(variant.kernel.__name__, "constexpr", k, repr(v)) for k, v in variant.constexprs.items()
+               if k not in NUMERIC_CONSTEXPRS and k != "HW_CAST"})
+
+
+def covering(variants: List[Variant]) -> List[Variant]:
+    """A few of `variants` in which every constexpr value and argument type of all of them occurs (greedy cover)."""
+    unique = list({v.key(): v for v in variants}.values())
+    needed = set().union(*(_features(v) for v in unique))
+    chosen = []
+    while needed:
+        best = max(unique, key=lambda v: len(_features(v) & needed))
+        chosen.append(best)
+        needed -= _features(best)
+    return chosen
+
+
+def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Variant]]:
+    """Every variant the launchers emit over their options: the cast kernel (launch_cast: layouts, amax, rounding,
+    skip flag; launch_scaled_cast: scaling mode, history reduction, power-of-two, layouts, recording, rounding; both
+    formats, the three input dtypes), the close-step kernel (step taken or not) and the fused AdamW step (second
+    moment dtype, decoupled, maximize, weight decay)."""
+    import itertools
+
+    from lightning_fp8.kernels import triton_scaling
+    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+    from lightning_fp8.recipe import FP8Recipe
+
+    def cast_calls():
+        for dtype, fmt in itertools.product((torch.float32, torch.bfloat16, torch.float16), FORMATS):
+            x = torch.randn(16, 32).to(dtype)
+            roundings = (dict(), dict(noise=torch.rand(16, 32)), dict(seed=torch.tensor([3])))
+            for (row, t), amax, rounding in itertools.product(((True, False), (False, True), (True, True)),
+                                                              (True, False), roundings):
+                triton_cast.launch_cast(x, torch.tensor(2.0), fmt, write_row=row, write_t=t, compute_amax=amax,
+                                        **rounding)
+            for skip_if in (None, torch.tensor(False)):
+                triton_cast.launch_cast(x, None, fmt, write_row=False, write_t=False, compute_amax=True,
+                                        skip_if=skip_if)
+            for scaling, algo_max, pow2, t, rec, rounding in itertools.product(
+                    ("delayed", "current", "none"), (True, False), (False, True), (False, True), (False, True),
+                    roundings):
+                triton_cast.launch_scaled_cast(x, torch.zeros(17), fmt, scaling, algo_max, 1, pow2, write_t=t,
+                                               record=rec, **rounding)
+
+    casts = record(monkeypatch, triton_cast, "_cast_kernel", cast_calls)
+    meta = FP8LinearMeta(FP8Recipe())
+    closes = []
+    for taken in (True, False):
+        closes += record(monkeypatch, triton_scaling, "_close_step_kernel", lambda: triton_scaling.launch_close_step(
+            meta.amax_history.clone(), meta.overflow_count.clone(), meta.clip_count.clone(),
+            *meta.constants().values(), taken))
+    steps = [adamw_variant(monkeypatch, 90, vdt, decoupled_weight_decay=decoupled, maximize=maximize,
+                           weight_decay=wd)
+             for vdt, decoupled, maximize, wd in itertools.product(("fp16", "fp8"), (True, False), (False, True),
+                                                                   (0.0, 0.01))]
+    return casts, closes, steps
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_variants() -> Tuple[Tuple[Variant, int], ...]:
+    """The covering variants of each kernel, each with the architecture it is compiled for (round robin, so every
+    architecture gets a share and each variant compiles once) and that architecture's choice of conversion."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        casts, closes, steps = _every_launch(monkeypatch)
+    chosen = covering(casts) + covering(closes) + covering(steps)
+    assigned = []
+    for i, variant in enumerate(chosen):
+        arch = ARCHS[i % len(ARCHS)]
+        if "HW_CAST" in variant.constexprs:
+            variant = variant.with_(HW_CAST=hardware_cast_exact(capability(arch), triton_version()))
+        assigned.append((variant, arch))
+    return tuple(assigned)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_launcher_variant_compiles(arch):
+    """Each code-choosing constexpr value and argument type the launchers emit, compiled at least once (a covering
+    subset of every launch, not the cross product: the architecture-dependent part, the conversion, is checked per
+    architecture above)."""
+    share = [variant for variant, on in launcher_variants() if on == arch]
+    assert share
+    for variant in share:
+        ptx_of(variant, arch)
+
+
+def test_launcher_variants_cover_every_choice():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        everything = [v for group in _every_launch(monkeypatch) for v in group]
+    compiled = launcher_variants()
+    assert set().union(*(_features(v) for v in everything)) == set().union(*(_features(v) for v, _ in compiled))
+    assert {arch for _, arch in compiled} == set(ARCHS)
+    assert len(compiled) <= 20, len(compiled)  # keeps the suite fast
+
+
+# -- selection: what each architecture runs compiles, with the conversion we rely on -----------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_selected_cast_variant_compiles_with_the_conversion_we_rely_on(monkeypatch, arch):
+    """The conversion `use_soft_cast` picks for a CUDA tensor on this GPU compiles there, and is the single-rounding
+    hardware cvt or the integer rounding (no FP8 instruction at all)."""
+    hw = selected_hw(monkeypatch, arch)
+    assert hw == hardware_cast_exact(capability(arch), triton_version())
+    assert hw == (arch >= 90 or (arch == 89 and triton_version() >= (3, 9)))
+    for fmt in FORMATS:
+        ptx = ptx_of(cast_variant(monkeypatch, fmt, hw), arch)
+        if hw:
+            assert DIRECT_CVT[fmt.name] in ptx, (arch, fmt.name)
+            assert "cvt.rz.f16.f32" not in ptx  # no float16 intermediate (two roundings)
+        else:
+            assert not ANY_FP8_CVT.search(ptx), (arch, fmt.name)  # the integer rounding: no FP8 instruction at all
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_selected_adamw_variant_compiles(monkeypatch, arch):
+    """Defect: the fused FP8AdamW step stored its moments with the e4m3 hardware conversion everywhere, which does not
+    compile below sm89 (A100, A10, RTX 30xx)."""
+    variant = adamw_variant(monkeypatch, arch)
+    ptx = ptx_of(variant, arch)
+    hw = selected_hw(monkeypatch, arch)
+    assert variant.constexprs.get("HW_CAST", True) == hw
+    if hw:
+        assert DIRECT_CVT["e4m3"] in ptx
+    else:
+        assert not ANY_FP8_CVT.search(ptx)
+
+
+def test_hardware_conversion_does_not_compile_below_sm89(monkeypatch):
+    """The selection is needed, not luck: the hardware variants of both kernels fail on sm80 with Triton's message."""
+    for variant in (cast_variant(monkeypatch, E4M3, True), adamw_variant(monkeypatch, 90).with_(HW_CAST=True)):
+        failure = compile_for(variant, 80)
+        assert isinstance(failure, Exception), variant
+        assert "fp8e4nv not supported in this architecture" in _message(failure)
+    assert not any(selected_hw(monkeypatch, arch) for arch in (80, 86, 87))
+
+
+def test_sm89_hardware_conversion_is_selected_only_where_triton_rounds_once(monkeypatch):
+    """Triton <= 3.8 lowers sm89's float32 -> FP8 conversion through float16 truncated toward zero, then rounds to FP8:
+    two roundings (1.0625001 -> 1.0, the reference gives 1.125). The selection must follow the installed Triton's
+    lowering, read from its PTX."""
+    for fmt in FORMATS:
+        ptx = ptx_of(cast_variant(monkeypatch, fmt, True), 89)
+        single_rounding = DIRECT_CVT[fmt.name] in ptx and "cvt.rz.f16.f32" not in ptx
+        assert selected_hw(monkeypatch, 89) == single_rounding, (triton.__version__, fmt.name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_adamw_step_has_no_nan_dropping_min_max(monkeypatch, arch):
+    """Defect: the fused step's block amax (tl.max) and saturation (tl.maximum / tl.minimum) compiled to PTX max.f32 /
+    min.f32, which return the other operand for a NaN: a NaN moment was stored as -448 * s, a NaN second moment as
+    -65504 * s, and the block scale ignored it (the reference keeps NaN, scale 1). Now the amax is an integer max
+    over the bit patterns and every float min / max is the NaN-propagating form; the interpreter check in
+    tests/test_optim.py runs the same source against the reference with NaN gradients."""
+    variants = [adamw_variant(monkeypatch, arch)]
+    if arch in (80, 90):  # the float16 second moment, with each conversion
+        variants.append(adamw_variant(monkeypatch, arch, "fp16", weight_decay=0.0, maximize=True))
+    for variant in variants:
+        ptx = ptx_of(variant, arch)
+        assert not NAN_DROPPING_MIN_MAX.findall(ptx), (variant, NAN_DROPPING_MIN_MAX.findall(ptx))
+        assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx and "max.s32" in ptx  # the scan reads real code
