@@ -114,7 +114,7 @@ def compare_recipes(args) -> None:
             fp8 = train_once(scaling, corpus, args, fp8=True)
             row[scaling] = {
                 "val_loss": fp8.final_val_loss,
-                "relative_gap": (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss,
+                "relative_gap": (fp8.final_val_loss - row["bf16_val_loss"]) / row["bf16_val_loss"],
                 "skipped_steps": fp8.plugin.skipped_steps,
                 "rollbacks": fp8.plugin.rollbacks,
                 "seconds": fp8.seconds,
