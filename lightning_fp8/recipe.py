@@ -226,3 +226,10 @@ class FP8Recipe:
         d = dict(d)
         d["skip_patterns"] = tuple(d.get("skip_patterns", ()))
         return cls(**d)
+
+
+def scale_gradients_with(recipe: FP8Recipe, scaling: str) -> bool:
+    """`recipe.scale_gradients` for the same recipe moved to `scaling` (escalation, the demo's --recipe): the
+    fine-grained scalings scale every tile, gradients included, so a recipe that casts gradients with scale 1 (the
+    mellempudi preset) scales them there; FP8Recipe refuses the combination otherwise."""
+    return recipe.scale_gradients or scaling in FINE_GRAINED_SCALINGS

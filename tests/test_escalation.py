@@ -102,3 +102,28 @@ def test_planted_outlier_layer_and_only_it_is_escalated_and_the_run_matches_bf16
     assert all(layer.recipe.scaling == "delayed" and layer.fp8_enabled
                for fqn, layer in layers.items() if fqn != PLANTED_LAYER)
     assert abs(fp8_val - bf16_val) / bf16_val < 0.01, (fp8_val, bf16_val)
+
+
+@pytest.mark.parametrize("target", ["blockwise", "mxfp8"])
+def test_escalating_a_recipe_with_unscaled_gradients_scales_them(target):
+    """The mellempudi preset casts gradients with scale 1 (scale_gradients=False), which the fine-grained scalings
+    refuse: escalating it must give a valid recipe (before: ValueError when the rule fired, mid-training)."""
+    from lightning_fp8.callbacks.fallback_escalation import escalated_recipe
+    from lightning_fp8.presets import get_preset
+
+    mellempudi = get_preset("mellempudi")
+    escalated = escalated_recipe(mellempudi, target)
+    assert escalated.scaling == target and escalated.scale_gradients
+    assert escalated.format == ("e5m2" if target == "blockwise" else "e4m3")  # a per-tensor target keeps the format
+
+
+def test_mellempudi_layer_escalates_in_training():
+    """The same through FP8LayerFallback: the layer moves to blockwise instead of crashing. E5M2's range holds the
+    planted outlier (no flush), so the rule that fires is SQNR: E5M2 has 2 mantissa bits (~25 dB), below 30 dB."""
+    torch.manual_seed(0)
+    model = PlantedRegression()
+    fallback = FP8LayerFallback(check_every_n_steps=1, min_sqnr_db=30.0)
+    trainer(plugins=[FP8Precision(preset="mellempudi")], callbacks=[fallback], max_steps=4).fit(model, loader())
+    info = fallback.escalations["net.2"]
+    assert (info["from"], info["to"]) == ("current", "blockwise")
+    assert fp8_layers(model)["net.2"].recipe.scale_gradients

@@ -27,7 +27,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 from lightning_fp8.kernels.device import DeviceProfile
-from lightning_fp8.recipe import MICROSCALING_SCALINGS, SCALING_ORDER, FP8Recipe
+from lightning_fp8.recipe import MICROSCALING_SCALINGS, SCALING_ORDER, FP8Recipe, scale_gradients_with
 
 #: the rules whose failure a finer scaling can cure (too much of an operand clipped, flushed, or lost in noise)
 ESCALATING_RULES = ("overflow", "sqnr", "underflow")
@@ -83,10 +83,13 @@ def escalated_recipe(recipe: FP8Recipe, scaling: str) -> FP8Recipe:
     """The layer's recipe with the finer scaling; its formats and everything else stay (a hybrid layer keeps E5M2
     gradients, now with per-tile scales), except between the microscaling recipes and the others, whose formats,
     rounding and transforms differ: those take the new scaling's defaults (nvfp4 -> mxfp8: E4M3, nearest rounding,
-    no Hadamard transform)."""
+    no Hadamard transform). Gradients cast with scale 1 (scale_gradients=False) get scales on a fine-grained target,
+    which scales every tile (recipe.scale_gradients_with)."""
+    scale_gradients = scale_gradients_with(recipe, scaling)
     if scaling in MICROSCALING_SCALINGS or recipe.scaling in MICROSCALING_SCALINGS:
-        return dataclasses.replace(recipe, scaling=scaling, format=None, rounding=None, random_hadamard=None)
-    return dataclasses.replace(recipe, scaling=scaling)
+        return dataclasses.replace(recipe, scaling=scaling, format=None, rounding=None, random_hadamard=None,
+                                   scale_gradients=scale_gradients)
+    return dataclasses.replace(recipe, scaling=scaling, scale_gradients=scale_gradients)
 
 
 __all__ = ["ESCALATING_RULES", "ESCALATION_TARGETS", "check_escalate_to", "ladder_for", "describe_ladder",

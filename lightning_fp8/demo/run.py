@@ -103,7 +103,7 @@ def demo_recipe(args: argparse.Namespace):
     import dataclasses
 
     from lightning_fp8.presets import get_preset
-    from lightning_fp8.recipe import MICROSCALING_SCALINGS
+    from lightning_fp8.recipe import MICROSCALING_SCALINGS, scale_gradients_with
 
     recipe = get_preset(args.preset)
     scaling = getattr(args, "recipe", None)
@@ -111,9 +111,10 @@ def demo_recipe(args: argparse.Namespace):
         return recipe
     if scaling in MICROSCALING_SCALINGS:
         return dataclasses.replace(recipe, scaling=scaling, format=None, rounding=None, random_hadamard=None,
-                                   keep_last_blocks_in_bf16=None)
+                                   keep_last_blocks_in_bf16=None, scale_gradients=scale_gradients_with(recipe, scaling))
     keep_format = args.preset != "default"
-    return dataclasses.replace(recipe, scaling=scaling, format=recipe.format if keep_format else None)
+    return dataclasses.replace(recipe, scaling=scaling, format=recipe.format if keep_format else None,
+                               scale_gradients=scale_gradients_with(recipe, scaling))
 
 
 def format_table(fp8: RunResult, baseline: RunResult, steps: int, emulated: bool = False,
