@@ -192,9 +192,13 @@ def test_auto_recipe_through_lightning_is_logged_checkpointed_and_resumed(tmp_pa
     torch.manual_seed(0)
     resumed = RegressionModule()
     with simulate_cuda((9, 0)), pytest.warns(UserWarning, match="resumes with the checkpoint's recipe"):
-        trainer(plugins=[FP8Precision(recipe="auto")], max_steps=4).fit(resumed, loader(),
-                                                                          ckpt_path=tmp_path / "last.ckpt")
+        plugin = FP8Precision(recipe="auto")
+        assert plugin.recipe_choice.device.startswith("sm90")
+        trainer(plugins=[plugin], max_steps=4).fit(resumed, loader(), ckpt_path=tmp_path / "last.ckpt")
     assert {layer.recipe.scaling for layer in fp8_layers(resumed).values()} == {"mxfp8"}
+    # the next checkpoint records the choice the layers run (sm100's), not the one sm90 would have made
+    again = plugin.state_dict()["auto_recipe"]
+    assert again["device"] == "sm100 (simulated)" and again["recipe"]["scaling"] == "mxfp8"
 
 
 def test_auto_recipe_through_fabric_and_accelerate():
@@ -284,3 +288,21 @@ def test_fsdp2_all_gather_stays_high_precision_for_block_scaled_weights():
                                verbose=False)
         decisions = enable_fp8_all_gather(model)
         assert decisions and all(reason and scaling in reason for reason in decisions.values())
+
+
+def test_resume_loads_each_layer_recipe_before_its_history():
+    """A checkpoint whose layers keep a longer amax history than this run's recipe (here 32 vs 16 steps): each layer
+    adopts its saved recipe first, then its saved history, whole (before: the history was cut to 16 steps on load,
+    then padded back to 32 with zeros by the recipe)."""
+    torch.manual_seed(0)
+    saving = FP8Precision(FP8Recipe(amax_history_len=32))
+    model = saving.convert_module(RegressionModule().net)
+    for layer in fp8_layers(model).values():
+        layer.fp8_meta.amax_history.copy_(torch.rand_like(layer.fp8_meta.amax_history) + 0.5)
+    state = saving.state_dict()
+    loading = FP8Precision()
+    resumed = loading.convert_module(RegressionModule().net)
+    loading.load_state_dict(state)
+    for fqn, layer in fp8_layers(resumed).items():
+        assert layer.recipe.amax_history_len == 32
+        assert torch.equal(layer.fp8_meta.amax_history, fp8_layers(model)[fqn].fp8_meta.amax_history)

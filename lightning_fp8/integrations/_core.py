@@ -21,6 +21,7 @@ from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._distributed import adopt_sharded_module, convert_for_fsdp
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
+from lightning_fp8.presets import RecipeChoice
 from lightning_fp8.recipe import FP8Recipe
 
 
@@ -172,15 +173,22 @@ class FP8PrecisionCore:
                 "the scaling state is loaded as it is."
             )
         saved_auto = state_dict.get("auto_recipe")
-        if saved_auto is not None and self.options.recipe == "auto" and saved_auto["device"] != self.recipe_choice.device:
-            warnings.warn(f"lightning_fp8: the checkpoint's recipe='auto' chose {saved_auto['recipe']['scaling']} on "
-                          f"{saved_auto['device']}; on {self.recipe_choice.device} it chooses "
-                          f"{self.recipe.scaling}: the run resumes with the checkpoint's recipe for every layer")
+        if saved_auto is not None and self.options.recipe == "auto":
+            if saved_auto["device"] != self.recipe_choice.device:
+                warnings.warn(f"lightning_fp8: the checkpoint's recipe='auto' chose {saved_auto['recipe']['scaling']} "
+                              f"on {saved_auto['device']}; on {self.recipe_choice.device} it chooses "
+                              f"{self.recipe.scaling}: the run resumes with the checkpoint's recipe for every layer")
+            # the layers run the checkpoint's choice from here on: the next checkpoint records that choice, not
+            # the one this device would have made
+            self.recipe_choice = RecipeChoice(FP8Recipe.from_dict(saved_auto["recipe"]), saved_auto["device"],
+                                              saved_auto["reason"])
+        # each layer's recipe first: adopting it resizes the amax history to the saved length, which the saved
+        # history then fills (the other order cut the saved history to this run's length, then padded it with zeros)
+        if self._module is not None and state_dict.get("layer_recipes"):
+            load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         meta = state_dict.get("fp8_meta")
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
-        if self._module is not None and state_dict.get("layer_recipes"):
-            load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         self.engine.resync()
 
 
