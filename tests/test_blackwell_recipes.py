@@ -306,3 +306,41 @@ def test_resume_loads_each_layer_recipe_before_its_history():
     for fqn, layer in fp8_layers(resumed).items():
         assert layer.recipe.amax_history_len == 32
         assert torch.equal(layer.fp8_meta.amax_history, fp8_layers(model)[fqn].fp8_meta.amax_history)
+
+
+class _TiedHeadGPT(nn.Module):
+    """7 blocks and a head tied to the embedding (F.linear on its weight: no linear module), as GPT-2 and Llama
+    variants tie it: the last linear layer is then inside the last block."""
+
+    def __init__(self, d=32, n_blocks=7):
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                    for _ in range(n_blocks))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.nn.functional.linear(x, self.emb.weight)
+
+
+def test_nvfp4_tail_rule_with_a_tied_head_keeps_only_the_tail_and_the_first_layer():
+    """The first / last rule looks at every candidate, the tail rule after it: the last linear layer is in the BF16
+    tail already, so no layer outside the tail stays in BF16 as "the last" (before: blocks.5.2 did)."""
+    model = convert_to_fp8(_TiedHeadGPT(), FP8Recipe(scaling="nvfp4"), verbose=False)
+    bf16 = {r.fqn for r in precision_map(model) if r.precision == "bf16"}
+    assert bf16 == {"blocks.0.0", "blocks.6.0", "blocks.6.2"}
+
+
+def test_nvfp4_tail_rule_applies_to_layers_given_nvfp4_by_layer_recipes():
+    """layer_recipes={"*": nvfp4} under the default recipe: each layer's own recipe decides the tail (before: only the
+    global recipe's, so every layer of the last block ran in NVFP4)."""
+    model = convert_to_fp8(_TiedHeadGPT(), layer_recipes={"*": FP8Recipe(scaling="nvfp4")}, verbose=False)
+    rows = {r.fqn: r for r in precision_map(model)}
+    assert {fqn for fqn, r in rows.items() if r.precision == "bf16"} == {"blocks.0.0", "blocks.6.0", "blocks.6.2"}
+    assert "last 1 of 7 blocks" in rows["blocks.6.0"].reason and rows["blocks.5.2"].recipe == "nvfp4"
+    mixed = convert_to_fp8(_TiedHeadGPT(), FP8Recipe(scaling="nvfp4"),
+                           layer_recipes={"blocks.6.*": FP8Recipe(scaling="mxfp8")}, verbose=False)
+    rows = {r.fqn: r for r in precision_map(mixed)}  # the last block runs mxfp8, which has no tail rule
+    assert rows["blocks.6.0"].recipe == "mxfp8" and rows["blocks.6.2"].precision == "bf16"  # the last layer
