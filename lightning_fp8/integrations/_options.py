@@ -129,7 +129,17 @@ class FP8Options:
                                  "runs one TE recipe for every layer")
             from lightning_fp8.backends.transformer_engine import te_recipe
 
-            te_recipe(self.resolved_recipe())  # TE installed, and the recipe expressible: said here, at construction
+            choice = self.recipe_choice()
+            try:
+                te_recipe(choice.recipe)  # TE installed, and the recipe expressible: said here, at construction
+            except ValueError as error:
+                if self.recipe != AUTO:
+                    raise
+                raise ValueError(
+                    f"recipe='auto' chose {choice.recipe.label} on {choice.device} ({choice.reason}), and {error}; "
+                    f"with backend='transformer_engine' pass a recipe TE expresses (e.g. FP8Recipe(), per-tensor "
+                    f"delayed scaling), or use backend='lightning_fp8' for recipe='auto'"
+                ) from error
 
     def resolved_recipe(self) -> FP8Recipe:
         return self.recipe_choice().recipe
