@@ -237,9 +237,9 @@ def test_escalation_ladder_per_device():
         FP8LayerFallback(escalate_to="nvfp4")
 
 
-def test_fallback_climbs_the_sm100_ladder_nvfp4_then_mxfp8_then_bf16():
+def test_fallback_climbs_the_sm100_ladder_from_nvfp4_to_mxfp8():
     """A planted outlier channel (1e6 x, tests/test_escalation.py) under NVFP4 on a simulated sm100: the layer moves
-    to mxfp8 (the next rung there, not blockwise), and on to BF16 when that does not help either."""
+    to mxfp8 (the next rung there, not blockwise), and stays there: mxfp8 cures the flush."""
     from test_escalation import PlantedRegression
 
     torch.manual_seed(0)
@@ -253,8 +253,12 @@ def test_fallback_climbs_the_sm100_ladder_nvfp4_then_mxfp8_then_bf16():
     layer = fp8_layers(model)["net.2"]
     assert layer.recipe.scaling == "mxfp8" and layer.recipe.format == "e4m3" and layer.recipe.rounding == "nearest"
     assert [e["kind"] for e in fallback.events if "net.2" in e["layers"]][0] == "escalate"
+    # mxfp8's 1x32 blocks give the outlier channel's block its own scale, so the flush stops: the layer stays there
+    # for the remaining checks (the step from mxfp8, the top of sm100's ladder, is BF16:
+    # test_escalation_ladder_per_device)
+    assert [e["kind"] for e in fallback.events if "net.2" in e["layers"]] == ["escalate"]
     row = {r.fqn: r for r in precision_map(model)}["net.2"]
-    assert row.recipe == "mxfp8" or (row.precision == "bf16" and "mxfp8 scaling" in row.reason)
+    assert row.precision == "fp8" and row.recipe == "mxfp8" and layer.fp8_enabled and not fallback.fallbacks
 
 
 @pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
