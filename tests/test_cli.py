@@ -25,6 +25,8 @@ def test_demo_recipe_choice(capsys):
             "--val-batches", "1", "--recipe", "blockwise"]
     assert main(["demo", *args]) == 0
     assert "model.blocks.1.fc1   fp8   blockwise  converted" in capsys.readouterr().out
+    assert main(["demo", *args[:-1], "nvfp4"]) == 0  # the Blackwell recipes: 2 blocks keep no NVFP4 tail block
+    assert "model.blocks.1.fc1   fp8   nvfp4      converted" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["demo", "--recipe", "tilewise"])
     assert "invalid choice: 'tilewise'" in capsys.readouterr().err
