@@ -201,19 +201,31 @@ def test_auto_recipe_through_lightning_is_logged_checkpointed_and_resumed(tmp_pa
     assert again["device"] == "sm100 (simulated)" and again["recipe"]["scaling"] == "mxfp8"
 
 
-def test_auto_recipe_through_fabric_and_accelerate():
+def test_auto_recipe_through_fabric_and_accelerate(tmp_path, caplog):
+    """Both adapters convert to the choice, say it in the conversion summary and record it in their checkpoint state
+    (Fabric: the plugin's state_dict; Accelerate: save_state's FP8 state file)."""
     from lightning.fabric import Fabric
 
     from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs
     from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
 
-    with simulate_cuda((10, 0)):
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(recipe="auto")])
+    note = "recipe='auto' on sm100 (simulated): mxfp8"
+    with simulate_cuda((10, 0)), caplog.at_level(logging.INFO, logger="lightning_fp8"):
+        plugin = FabricFP8Precision(recipe="auto")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = fabric.setup_module(RegressionModule().net)
         assert {layer.recipe.scaling for layer in fp8_layers(model).values()} == {"mxfp8"}
+        assert sum(note in r.getMessage() for r in caplog.records) == 1
+        assert plugin.state_dict()["auto_recipe"]["recipe"]["scaling"] == "mxfp8"
+        caplog.clear()
         accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(recipe="auto")])
         prepared = accelerator.prepare(RegressionModule().net)
         assert {layer.recipe.scaling for layer in fp8_layers(prepared).values()} == {"mxfp8"}
+        assert sum(note in r.getMessage() for r in caplog.records) == 1
+        accelerator.save_state(tmp_path)
+    saved = [torch.load(f, weights_only=False) for f in tmp_path.glob("custom_checkpoint_*")]
+    assert [s["auto_recipe"]["device"] for s in saved if isinstance(s, dict) and "auto_recipe" in s] == [
+        "sm100 (simulated)"]
 
 
 def test_escalation_ladder_per_device():
