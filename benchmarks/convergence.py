@@ -5,9 +5,15 @@ constant-LR comparisons of short runs are noise). Several seeds, so the gap is r
 
     python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]
     python benchmarks/convergence.py --recipes rowwise blockwise --out benchmarks/results/convergence_finegrained
+    python benchmarks/convergence.py --recipes mxfp8 nvfp4 --out benchmarks/results/convergence_blackwell
 
 With --recipes, each seed runs BF16 once and FP8 once per recipe (the demo's --recipe scalings), all on the same
-seed, data order and validation set.
+seed, data order and validation set. --bf16-from RESULT.json takes each seed's BF16 run from an earlier --recipes
+result of the same configuration instead of training it again (a BF16 run is the same computation whatever FP8
+recipes it is compared with; on a CPU without BF16 hardware it is the slowest run of a seed):
+
+    python benchmarks/convergence.py --recipes mxfp8 nvfp4 --out benchmarks/results/convergence_blackwell \
+        --bf16-from benchmarks/results/convergence_finegrained.json
 """
 from __future__ import annotations
 
@@ -29,8 +35,12 @@ def main() -> None:
     parser = build_parser(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/convergence")
-    parser.add_argument("--recipes", nargs="+", default=None, choices=["delayed", "current", "rowwise", "blockwise"],
+    parser.add_argument("--recipes", nargs="+", default=None,
+                        choices=["delayed", "current", "rowwise", "blockwise", "mxfp8", "nvfp4"],
                         help="FP8 scalings to compare with BF16 (default: the preset's recipe only)")
+    parser.add_argument("--bf16-from", default=None,
+                        help="with --recipes: an earlier --recipes result (.json) of the same configuration whose BF16 "
+                             "runs are reused, seed by seed")
     args = parser.parse_args()
     if args.recipes:
         return compare_recipes(args)
@@ -88,18 +98,23 @@ def compare_recipes(args) -> None:
     warnings.simplefilter("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     corpus = load_corpus(args.data)
+    reused = _reused_bf16_runs(args)
     rows = []
     for seed in args.seeds:
         args.seed = seed
         args.recipe = None
-        bf16 = train_once("bf16", corpus, args, fp8=False)
-        row = {"seed": seed, "bf16_val_loss": bf16.final_val_loss, "bf16_seconds": bf16.seconds}
+        if reused is not None:
+            row = {"seed": seed, "bf16_val_loss": reused[seed]["bf16_val_loss"], "bf16_seconds": reused[seed]["bf16_seconds"],
+                   "bf16_from": args.bf16_from}
+        else:
+            bf16 = train_once("bf16", corpus, args, fp8=False)
+            row = {"seed": seed, "bf16_val_loss": bf16.final_val_loss, "bf16_seconds": bf16.seconds}
         for scaling in args.recipes:
             args.recipe = scaling
             fp8 = train_once(scaling, corpus, args, fp8=True)
             row[scaling] = {
                 "val_loss": fp8.final_val_loss,
-                "relative_gap": (fp8.final_val_loss - bf16.final_val_loss) / bf16.final_val_loss,
+                "relative_gap": (fp8.final_val_loss - row["bf16_val_loss"]) / row["bf16_val_loss"],
                 "skipped_steps": fp8.plugin.skipped_steps,
                 "rollbacks": fp8.plugin.rollbacks,
                 "seconds": fp8.seconds,
@@ -113,6 +128,7 @@ def compare_recipes(args) -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs emulated)",
         "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")},
         "recipes": args.recipes,
+        "bf16_from": args.bf16_from,
         "runs": rows,
         "bf16_seed_spread_relative_sd": (statistics.stdev(bf16_losses) / statistics.mean(bf16_losses)) if len(rows) > 1 else 0.0,
         "gaps": {},
@@ -123,7 +139,7 @@ def compare_recipes(args) -> None:
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=2)
     with open(args.out + ".md", "w") as f:
-        f.write(f"# Convergence: fine-grained FP8 recipes vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
+        f.write(f"# Convergence: FP8 recipes {', '.join(args.recipes)} vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
                 f"{summary['machine']})\n\nconfig: {summary['config']}\n\n")
         f.write("| seed | bf16 val loss | " + " | ".join(f"{s} val loss | {s} gap" for s in args.recipes) + " |\n")
         f.write("|---|---|" + "---|---|" * len(args.recipes) + "\n")
@@ -136,7 +152,39 @@ def compare_recipes(args) -> None:
             skips = sum(r[scaling]["skipped_steps"] for r in rows)
             f.write(f"- {scaling}: mean gap {g['mean']:+.2%} (sd {g['sd']:.2%} over seeds), {skips} skipped steps\n")
         f.write(f"- bf16 seed-to-seed spread (relative sd of val loss): {summary['bf16_seed_spread_relative_sd']:.2%}\n")
+        if args.bf16_from:
+            f.write(f"- the BF16 runs are those of `{args.bf16_from}` (same configuration and seeds; --bf16-from)\n")
+        f.write(f"- wall time per run (s), seeds {[r['seed'] for r in rows]}: bf16 {[round(r['bf16_seconds']) for r in rows]}"
+                + "".join(f", {s} {[round(r[s]['seconds']) for r in rows]}" for s in args.recipes)
+                + f" ({_cpu_name()}; shared with other jobs, so times are indicative)\n")
     print(open(args.out + ".md").read())
+
+
+def _config(args) -> dict:
+    return {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")}
+
+
+def _reused_bf16_runs(args):
+    """--bf16-from: the earlier result's BF16 run of every requested seed, refused unless its configuration is this one."""
+    if args.bf16_from is None:
+        return None
+    with open(args.bf16_from) as f:
+        earlier = json.load(f)
+    if earlier.get("config") != _config(args):
+        raise SystemExit(f"--bf16-from {args.bf16_from}: its configuration {earlier.get('config')} is not this run's "
+                         f"{_config(args)}")
+    runs = {r["seed"]: r for r in earlier["runs"]}
+    missing = [seed for seed in args.seeds if seed not in runs]
+    if missing:
+        raise SystemExit(f"--bf16-from {args.bf16_from} has no BF16 run for seeds {missing}")
+    return runs
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

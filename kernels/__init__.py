@@ -117,6 +117,7 @@ def in_kernel_rand() -> bool:
 
 from lightning_fp8.kernels.ops import fp8_amax, fp8_cast, materializes_transpose, scaled_cast  # noqa: E402
 from lightning_fp8.kernels.tiled_ops import tiled_cast  # noqa: E402
+from lightning_fp8.kernels.microscaled_ops import microscaled_cast  # noqa: E402
 
 __all__ = [
     "triton_available",
@@ -133,6 +134,7 @@ __all__ = [
     "fp8_amax",
     "scaled_cast",
     "tiled_cast",
+    "microscaled_cast",
     "materializes_transpose",
     "KERNEL_INPUT_DTYPES",
 ]

@@ -8,18 +8,28 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_fp8.numerics.formats import E4M3, E5M2, FP8Format
+from lightning_fp8.numerics.formats import E2M1, E4M3, E5M2, FP8Format
 from lightning_fp8.numerics.quantize import ROUNDING_MODES
 
 #: tensor roles of a linear layer; each has its own scaling state
 ROLES = ("input", "weight", "grad_output")
 
-FORMAT_CHOICES = ("hybrid", "e4m3", "e5m2")
-SCALING_CHOICES = ("delayed", "current", "rowwise", "blockwise")
+FORMAT_CHOICES = ("hybrid", "e4m3", "e5m2", "e2m1")
+SCALING_CHOICES = ("delayed", "current", "rowwise", "blockwise", "mxfp8", "nvfp4")
+#: the block-scaled formats of Blackwell tensor cores (lightning_fp8/numerics/microscaling.py)
+MICROSCALING_SCALINGS = ("mxfp8", "nvfp4")
 #: scalings with one scale per tile of a tensor instead of one per tensor (lightning_fp8/numerics/tiles.py)
-FINE_GRAINED_SCALINGS = ("rowwise", "blockwise")
-#: scalings from coarse to fine: what FP8LayerFallback escalates along
-SCALING_ORDER = {"delayed": 0, "current": 0, "rowwise": 1, "blockwise": 2}
+FINE_GRAINED_SCALINGS = ("rowwise", "blockwise") + MICROSCALING_SCALINGS
+#: from the least to the most precise: what FP8LayerFallback escalates along (callbacks/fallback_escalation.py).
+#: nvfp4 (4-bit elements) is below every FP8 scaling; mxfp8 has the finest scales of the FP8 ones (32 elements along
+#: the contraction dimension of every operand, where blockwise has 128 and 128 x 128).
+SCALING_ORDER = {"nvfp4": -1, "delayed": 0, "current": 0, "rowwise": 1, "blockwise": 2, "mxfp8": 3}
+#: the weight-gradient GEMM: on the recipe's quantized operands, or in the compute dtype (BF16) from the saved input
+WEIGHT_GRAD_CHOICES = ("quantized", "high_precision")
+#: formats each microscaling recipe takes (the first is its default)
+_MICROSCALING_FORMATS = {"mxfp8": ("e4m3", "hybrid"), "nvfp4": ("e2m1",)}
+#: recipe.keep_last_blocks_in_bf16 when not given: torchtitan's NVFP4 recipe keeps the last ~15% of the blocks in BF16
+NVFP4_BF16_TAIL = 0.15
 AMAX_ALGO_CHOICES = ("max", "most_recent")
 BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
 BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward")
@@ -62,6 +72,23 @@ class FP8Recipe:
     skip_patterns: glob patterns of layer names (fully qualified) the default filter keeps in BF16.
     backend: GEMM backend: "auto" picks torch._scaled_mm on CUDA sm89+ and emulation elsewhere.
     fast_accum_forward: use fast accumulation for the forward GEMM on `_scaled_mm` (never for gradient GEMMs).
+    weight_grad: "quantized" (the weight-gradient GEMM on the recipe's FP8 / FP4 operands) or "high_precision" (that
+        GEMM in the compute dtype, BF16, from the layer's input kept in BF16 for backward: torchao's `*_with_gw_hp`
+        recipes; more activation memory, the weight gradient exact to BF16). Valid with every scaling.
+    keep_last_blocks_in_bf16: the fraction of a model's repeated blocks (the longest nn.ModuleList of layers, e.g. a
+        transformer's `layers`), counted from the end, whose linear layers the default filter keeps in BF16 (rounded
+        to the nearest number of blocks). Default (None): 0.15 for scaling="nvfp4" (torchtitan's NVFP4 recipe: the
+        last ~15% of the blocks and the head in BF16), 0 otherwise.
+    random_hadamard: transform the weight-gradient GEMM's inputs with a 16 x 16 random Hadamard transform before
+        quantizing them (numerics/microscaling.py). Default (None): True for scaling="nvfp4", which is the only scaling
+        it applies to.
+
+    The microscaling scalings (docs/numerics.md, "MXFP8 and NVFP4"): "mxfp8" (1 x 32 blocks along the contraction
+    dimension of every operand, E8M0 power-of-two scales rounded up so no block saturates, E4M3 data; format "e4m3"
+    or "hybrid") and "nvfp4" (FP4 E2M1 data, 16-element blocks with E4M3 scales and a float32 tensor scale, 16 x 16
+    weight blocks, stochastic rounding of the gradients (rounding="stochastic" by default), random Hadamard transform
+    on the weight-gradient GEMM; format "e2m1"). They ignore block_size, margin and power_of_2_scales: their scale
+    rules are fixed by the hardware formats.
     """
 
     format: Optional[str] = None
@@ -69,7 +96,7 @@ class FP8Recipe:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
-    rounding: str = "nearest"
+    rounding: Optional[str] = None
     scale_gradients: bool = True
     power_of_2_scales: bool = True
     keep_first_last_in_bf16: bool = True
@@ -77,12 +104,20 @@ class FP8Recipe:
     backend: str = "auto"
     fast_accum_forward: bool = True
     block_size: int = 128
+    weight_grad: str = "quantized"
+    keep_last_blocks_in_bf16: Optional[float] = None
+    random_hadamard: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALING_CHOICES)
         if self.format is None:
-            object.__setattr__(self, "format", "e4m3" if self.scaling in FINE_GRAINED_SCALINGS else "hybrid")
+            default = _MICROSCALING_FORMATS.get(self.scaling, ("e4m3" if self.fine_grained else "hybrid",))[0]
+            object.__setattr__(self, "format", default)
         _check_choice("format", self.format, FORMAT_CHOICES)
+        self._check_microscaling()
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", "stochastic" if self.scaling == "nvfp4" else "nearest")
+        _check_choice("weight_grad", self.weight_grad, WEIGHT_GRAD_CHOICES)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGO_CHOICES)
         _check_choice("rounding", self.rounding, ROUNDING_MODES)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
@@ -106,20 +141,68 @@ class FP8Recipe:
                 f"applies to the per-tensor scalings only; valid choices: scaling in ['delayed', 'current'] with "
                 f"scale_gradients=False, or scale_gradients=True"
             )
+        if self.keep_last_blocks_in_bf16 is None:
+            object.__setattr__(self, "keep_last_blocks_in_bf16", NVFP4_BF16_TAIL if self.scaling == "nvfp4" else 0.0)
+        tail = self.keep_last_blocks_in_bf16
+        if isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0.0 <= tail <= 1.0:
+            raise ValueError(f"FP8Recipe.keep_last_blocks_in_bf16 must be a fraction in [0, 1] (or None for the "
+                             f"scaling's default), got {tail!r}")
+        object.__setattr__(self, "keep_last_blocks_in_bf16", float(tail))
         if isinstance(self.skip_patterns, str):
             object.__setattr__(self, "skip_patterns", (self.skip_patterns,))
         else:
             object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
 
+    def _check_microscaling(self) -> None:
+        formats = _MICROSCALING_FORMATS.get(self.scaling)
+        if formats is not None and self.format not in formats:
+            raise ValueError(f"FP8Recipe(scaling={self.scaling!r}) takes format in {list(formats)}, got "
+                             f"format={self.format!r}")
+        if self.format == "e2m1" and self.scaling != "nvfp4":
+            raise ValueError("FP8Recipe(format='e2m1') is FP4: it goes with scaling='nvfp4' only; valid formats for "
+                             f"scaling={self.scaling!r}: ['hybrid', 'e4m3', 'e5m2']")
+        if self.random_hadamard is None:
+            object.__setattr__(self, "random_hadamard", self.scaling == "nvfp4")
+        if not isinstance(self.random_hadamard, bool):
+            raise ValueError(f"FP8Recipe.random_hadamard must be True, False or None, got {self.random_hadamard!r}")
+        if self.random_hadamard and self.scaling != "nvfp4":
+            raise ValueError(f"FP8Recipe(random_hadamard=True) applies to scaling='nvfp4' only, not "
+                             f"scaling={self.scaling!r}; valid choices: random_hadamard in [None, False]")
+
     @property
     def fine_grained(self) -> bool:
-        """True for the scalings with one scale per tile (rowwise, blockwise), False for per-tensor ones."""
+        """True for the scalings with one scale per tile (rowwise, blockwise, mxfp8, nvfp4), False for per-tensor
+        ones."""
         return self.scaling in FINE_GRAINED_SCALINGS
+
+    @property
+    def microscaled(self) -> bool:
+        """True for the block-scaled formats of Blackwell tensor cores (mxfp8, nvfp4)."""
+        return self.scaling in MICROSCALING_SCALINGS
+
+    @property
+    def high_precision_wgrad(self) -> bool:
+        return self.weight_grad == "high_precision"
+
+    @property
+    def label(self) -> str:
+        """A short name of how the layer computes, for the precision map and the report: the scaling (with its block
+        length for blockwise), the format where it is not the scaling's default, and a high-precision weight
+        gradient."""
+        label = f"blockwise({self.block_size})" if self.scaling == "blockwise" else self.scaling
+        default = _MICROSCALING_FORMATS.get(self.scaling, ("e4m3" if self.fine_grained else "hybrid",))[0]
+        if self.format != default:
+            label += f" {self.format}"
+        if self.high_precision_wgrad:
+            label += ", wgrad bf16"
+        return label
 
     def format_for(self, role: str) -> FP8Format:
         """The FP8 format of one tensor role ("input", "weight" or "grad_output")."""
         if role not in ROLES:
             raise ValueError(f"unknown tensor role {role!r}; valid roles: {list(ROLES)}")
+        if self.format == "e2m1":
+            return E2M1
         if self.format == "e4m3":
             return E4M3
         if self.format == "e5m2":
@@ -143,3 +226,10 @@ class FP8Recipe:
         d = dict(d)
         d["skip_patterns"] = tuple(d.get("skip_patterns", ()))
         return cls(**d)
+
+
+def scale_gradients_with(recipe: FP8Recipe, scaling: str) -> bool:
+    """`recipe.scale_gradients` for the same recipe moved to `scaling` (escalation, the demo's --recipe): the
+    fine-grained scalings scale every tile, gradients included, so a recipe that casts gradients with scale 1 (the
+    mellempudi preset) scales them there; FP8Recipe refuses the combination otherwise."""
+    return recipe.scale_gradients or scaling in FINE_GRAINED_SCALINGS

@@ -25,6 +25,8 @@ def test_demo_recipe_choice(capsys):
             "--val-batches", "1", "--recipe", "blockwise"]
     assert main(["demo", *args]) == 0
     assert "model.blocks.1.fc1   fp8   blockwise  converted" in capsys.readouterr().out
+    assert main(["demo", *args[:-1], "nvfp4"]) == 0  # the Blackwell recipes: 2 blocks keep no NVFP4 tail block
+    assert "model.blocks.1.fc1   fp8   nvfp4      converted" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["demo", "--recipe", "tilewise"])
     assert "invalid choice: 'tilewise'" in capsys.readouterr().err
@@ -45,3 +47,16 @@ def test_demo_times_are_labelled_and_the_baseline_is_what_the_cpu_runs_best(caps
     assert "the fp8 time measures the emulation, not FP8 speed" in out
     monkeypatch.setattr(run, "bf16_in_hardware", lambda device: True)
     assert run.choose_baseline("auto", "cpu")[0] == "bf16" and run.choose_baseline("fp32", "cuda")[0] == "fp32"
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise", "mxfp8", "nvfp4"])
+def test_demo_recipe_with_the_mellempudi_preset_and_a_fine_grained_recipe(scaling):
+    """--preset mellempudi casts gradients with scale 1, which the fine-grained scalings refuse: --recipe gives them
+    scales (before: ValueError from FP8Recipe for every one of these)."""
+    import argparse
+
+    from lightning_fp8.demo.run import build_parser, demo_recipe
+
+    args = build_parser(argparse.ArgumentParser()).parse_args(["--preset", "mellempudi", "--recipe", scaling])
+    recipe = demo_recipe(args)
+    assert recipe.scaling == scaling and recipe.scale_gradients

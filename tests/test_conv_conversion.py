@@ -177,6 +177,25 @@ def test_a_scaling_convolutions_have_no_path_for_keeps_them_in_bf16_and_the_laye
         layer(torch.randn(1, 32, 5, 5))
 
 
+@pytest.mark.parametrize("recipe, why", [
+    (FP8Recipe(scaling="mxfp8", keep_first_last_in_bf16=False), "FP8Recipe.scaling='mxfp8'"),
+    (FP8Recipe(scaling="nvfp4", keep_first_last_in_bf16=False), "FP8Recipe.scaling='nvfp4'"),
+    (FP8Recipe(weight_grad="high_precision", keep_first_last_in_bf16=False), "FP8Recipe.weight_grad='high_precision'"),
+])
+def test_microscaled_recipes_and_high_precision_weight_gradients_keep_convolutions_in_bf16(recipe, why):
+    """The recipes of docs/numerics.md's MXFP8 / NVFP4 section and weight_grad="high_precision" have no convolution
+    path (FP8Conv2d.fp8_scalings, fp8_weight_grads): a convolution stays BF16 with the reason, next to linears that
+    run them, and an FP8 convolution handed such a recipe refuses it instead of computing something else."""
+    model = nn.Sequential(nn.Conv2d(32, 64, 3), nn.Flatten(), nn.Linear(64 * 9, 64))
+    convert_to_fp8(model, recipe, verbose=False)
+    rows = {r.fqn: r for r in precision_map(model)}
+    assert rows["0"].precision == "bf16" and rows["0"].reason.startswith(why + ": nn.Conv2d has no FP8 path")
+    assert rows["2"].precision == "fp8"
+    layer = FP8Conv2d.from_conv(nn.Conv2d(32, 64, 3), recipe)
+    with pytest.raises(ValueError, match="has no convolution path; valid choices"):
+        layer(torch.randn(1, 32, 5, 5))
+
+
 class Patchify(nn.Linear):
     """A ViT patch embedding written as a linear over flattened p x p patches: a convolution with stride = kernel,
     and an nn.Linear subclass with its own forward."""

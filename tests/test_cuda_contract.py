@@ -19,6 +19,7 @@ Tests whose names contain "interp_" need the Triton interpreter from the start o
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -92,6 +93,15 @@ def _cast_cases():
         for tiles in (((1, 0), (1, 0)), ((1, 128), (1, 128)), ((128, 128), (128, 128)), ((1, 32), ())):
             yield (f"tiled_cast-{tiles}-{layout}", torch.ops.lightning_fp8.tiled_cast.default,
                    (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True))
+        # microscaling: MX both layouts; NVFP4 with stochastic rounding and the Hadamard transform of x^T (40 tokens
+        # padded to 48 by the transform: x^T's shape differs from x's), and 16 x 16 weight blocks
+        yield (f"microscaled_cast-mxfp8-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
+               (x, history(), 0, "mxfp8", "e4m3", [1, 32], [1, 32], False, None, None, True))
+        yield (f"microscaled_cast-nvfp4-rht-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
+               (_inputs((40, 80), layout), history(), 2, "nvfp4", "e2m1", [1, 16], [1, 16], True, torch.rand(40, 80),
+                torch.rand(80, 48), True))
+    yield ("microscaled_cast-nvfp4-weight", torch.ops.lightning_fp8.microscaled_cast.default,
+           (_inputs((48, 80), "row"), history(), 1, "nvfp4", "e2m1", [16, 16], [16, 16], False, None, None, False))
     yield "close_scaling_step", torch.ops.lightning_fp8.close_scaling_step.default, (
         torch.tensor([[5.0, 3.0, 1.0, 0, 0]] * 3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
         torch.tensor([448.0, 448.0, 57344.0]), torch.tensor([True] * 3), torch.tensor([True] * 3),
@@ -121,7 +131,7 @@ def test_cast_ops_match_their_fake_impls(case, path):
 
 
 @interp
-@pytest.mark.parametrize("case", [c for c in CAST_CASES if not c.startswith("tiled_cast")])
+@pytest.mark.parametrize("case", [c for c in CAST_CASES if not c.startswith(("tiled_cast", "microscaled_cast"))])
 def test_interp_cast_ops_match_their_fake_impls_on_the_triton_path(case):
     op, args = CAST_CASES[case]
     from lightning_fp8 import kernels
@@ -136,6 +146,8 @@ from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
 from lightning_fp8.modules.gemm import record_gemms  # noqa: E402
 from lightning_fp8.modules.scaled_mm import (  # noqa: E402
     BLOCKWISE,
+    MXFP8,
+    NVFP4,
     ROWWISE,
     TENSORWISE,
     V2,
@@ -152,6 +164,11 @@ RECIPES = {
     "current": FP8Recipe(scaling="current"),
     "rowwise": FP8Recipe(scaling="rowwise"),
     "blockwise": FP8Recipe(scaling="blockwise"),
+}
+#: the Blackwell recipes (numerics/microscaling.py): their GEMM kinds run natively on sm100 (both) and sm120 (MX)
+MICROSCALED_RECIPES = {
+    "mxfp8": FP8Recipe(scaling="mxfp8"),
+    "nvfp4": FP8Recipe(scaling="nvfp4"),
 }
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: (tokens M, in K, out N) run for real on CPU: K/128 = 6 (the padded 128x128 scale layout), token counts that are
@@ -187,12 +204,17 @@ def expected_native(arch, ops):
         return True
     if kind == ROWWISE:
         return arch == "sm90" or (ops.out_dtype != torch.float32 and ops.b.dtype == E4)
+    if kind == MXFP8:  # Blackwell's MX tensor cores; torch's MX GEMM takes e4m3 only
+        return arch in ("sm100", "sm120") and ops.a.dtype == ops.b.dtype == E4
+    if kind == NVFP4:  # FP4 tensor cores: sm100 here (sm120's path through torch 2.13 is not established)
+        return arch == "sm100"
     assert kind in BLOCKWISE, kind
     return arch == "sm90" and m % 128 == 0 and k % 128 == 0 and n % 128 == 0 and ops.a.dtype == ops.b.dtype == E4
 
 
 def check_on_every_arch(records, scaling):
-    kinds = {"delayed": {TENSORWISE}, "current": {TENSORWISE}, "rowwise": {ROWWISE}, "blockwise": {ROWWISE, *BLOCKWISE}}
+    kinds = {"delayed": {TENSORWISE}, "current": {TENSORWISE}, "rowwise": {ROWWISE}, "blockwise": {ROWWISE, *BLOCKWISE},
+             "mxfp8": {MXFP8}, "nvfp4": {NVFP4}}
     for arch, capability in ARCHS.items():
         target = target_for(capability)
         for ops in records:
@@ -235,6 +257,54 @@ def test_gemm_contract_large_shapes_on_meta(shape, scaling, out, with_bias):
 def test_interp_gemm_contract_with_triton_casts(shape, scaling):
     """The same with the Triton casts (interpreted): x^T and dY^T written by the cast kernel, no copies."""
     check_on_every_arch(layer_gemms(RECIPES[scaling], shape, torch.bfloat16, True, triton=True), scaling)
+
+
+@pytest.mark.parametrize("scaling", list(MICROSCALED_RECIPES))
+def test_gemm_contract_microscaled(scaling):
+    """Every GEMM of an FP8Linear forward + backward under the mxfp8 / nvfp4 recipe, for every output dtype, with and
+    without bias (on a LLaMA shape, on meta; two combinations on the small shapes run for real, with ragged blocks:
+    K = 40, 33 tokens: padded K, odd token counts): planned for sm100 as `torch.nn.functional.scaled_mm` calls with swizzled E8M0 / E4M3 (+ float32) scales
+    that torch's own v2 checks accept (replayed on meta), MX also on sm120; refused with a reason on sm89 / sm90 (and
+    NVFP4 on sm120), then emulated. The weight_grad="high_precision" variant has no weight-gradient FP8 GEMM."""
+    recipe = MICROSCALED_RECIPES[scaling]
+    cases = [(shape, device, out, bias) for shape, device in ((SMALL_SHAPES[0], "cpu"), (SMALL_SHAPES[3], "cpu"))
+             for out, bias in ((torch.bfloat16, False), (torch.float32, True))]
+    cases += [(LARGE_SHAPES[0], "meta", out, bias) for out in OUT_DTYPES.values() for bias in (False, True)]
+    for shape, device, out, bias in cases:
+        records = layer_gemms(recipe, shape, out, bias, device=device)
+        check_on_every_arch(records, scaling)
+        for ops in records:
+            for arch in ("sm89", "sm90"):
+                reason = plan_scaled_mm(ops, target_for(ARCHS[arch])).reason
+                assert "Blackwell" in reason or "sm100" in reason, reason
+    m, k, n = SMALL_SHAPES[0]
+    with simulate_cuda((10, 0)), record_gemms() as records:
+        layer = FP8Linear(k, n, recipe=dataclasses.replace(recipe, weight_grad="high_precision"))
+        layer(torch.randn(m, k, requires_grad=True)).float().square().sum().backward()
+    assert len(records) == 2 and layer.weight.grad is not None  # forward and dgrad; wgrad in BF16
+
+
+def test_microscaled_scales_are_swizzled_e8m0_and_two_level_e4m3():
+    """The scale arguments of the sm100 calls: MX E8M0, NVFP4 [E4M3 blocks, float32 tensor scale], each swizzled into
+    128 x 4 tiles and flat: numel round_up(rows, 128) * round_up(ceil(K / block), 4), with rows = M for mat_a and N
+    for mat_b; the scales of the unswizzled layout (torch's meta check also counts elements only) put at the swizzled
+    positions (numerics tests: `swizzle_32_4_4` equals torch's `to_blocked`)."""
+    for scaling, block in (("mxfp8", 32), ("nvfp4", 16)):
+        forward = layer_gemms(MICROSCALED_RECIPES[scaling], (100, 768, 256), torch.bfloat16, False)[0]
+        call = plan_scaled_mm(forward, target_for((10, 0)))
+        assert call.api == V2 and call.kind == forward.kind()
+        blocks = -(-768 // block)
+        assert call.scale_a.numel() == 128 * (-(-blocks // 4) * 4) and call.scale_b.numel() == 256 * (-(-blocks // 4) * 4)
+        if scaling == "mxfp8":
+            assert call.scale_a.dtype == call.scale_b.dtype == torch.float8_e8m0fnu and call.tensor_scale_a is None
+        else:
+            assert call.mat_a.dtype == torch.float4_e2m1fn_x2 and call.mat_a.shape == (100, 384)
+            assert call.scale_a.dtype == torch.float8_e4m3fn and call.tensor_scale_a.dtype == torch.float32
+            assert call.tensor_scale_a.numel() == call.tensor_scale_b.numel() == 1
+        # row r, block c of mat_a's scales sits at the swizzled offset (cuBLAS "1D block scaling factors layout")
+        r, c = 70, 5
+        offset = (r // 128 * (-(-blocks // 4)) + c // 4) * 512 + (r % 128 % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+        assert call.scale_a.view(torch.uint8)[offset] == forward.a_scale_inv.view(torch.uint8)[r, c]
 
 
 def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
@@ -528,7 +598,7 @@ def _modules_using_to_host():
     return [importlib.import_module(name) for name in names]
 
 
-@pytest.mark.parametrize("scaling", list(RECIPES))
+@pytest.mark.parametrize("scaling", list(RECIPES) + list(MICROSCALED_RECIPES))
 def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
     """A training forward + backward of FP8 layers on the path CUDA takes without triton (the torch reference casts,
     which CUDA runs for float64 input, without triton or with LIGHTNING_FP8_DISABLE_TRITON=1): no op that reads a
@@ -536,8 +606,8 @@ def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
     per cast: about 8 device-to-host synchronisations per layer and step."""
     with simulate_cuda((9, 0), triton=False):
         torch.manual_seed(0)
-        model = nn.Sequential(FP8Linear(64, 128, recipe=RECIPES[scaling]), nn.GELU(),
-                              FP8Linear(128, 64, recipe=RECIPES[scaling]))
+        recipe = {**RECIPES, **MICROSCALED_RECIPES}[scaling]
+        model = nn.Sequential(FP8Linear(64, 128, recipe=recipe), nn.GELU(), FP8Linear(128, 64, recipe=recipe))
         x = torch.randn(48, 64)
         for step in range(3):  # steps 2 and 3 run with the delayed scales sized by the history
             with HostReads(monkeypatch).active() as reads:
@@ -637,6 +707,18 @@ def test_inductor_with_the_cuda_reference_implementations(scaling):
     torch._dynamo.reset()
     with simulate_cuda((9, 0), triton=False):
         _inductor_vs_eager(RECIPES[scaling])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scaling", list(MICROSCALED_RECIPES))
+def test_inductor_with_the_microscaled_casts(scaling):
+    """Inductor, fullgraph, on the MXFP8 / NVFP4 casts and GEMMs (NVFP4 with nearest rounding here, so eager and
+    compiled runs round alike): the cast op returned E8M0 scales and FP4 data in those dtypes, and inductor refused to
+    functionalize it ("auto_functionalized_v2 was not removed"): it now returns their bytes, viewed outside."""
+    torch._dynamo.reset()
+    recipe = dataclasses.replace(MICROSCALED_RECIPES[scaling], rounding="nearest")
+    with simulate_cuda((10, 0), triton=False):
+        _inductor_vs_eager(recipe)
     torch._dynamo.reset()
 
 

@@ -67,9 +67,20 @@ def test_a_layer_is_never_escalated_to_a_scaling_it_has_no_path_for():
     from lightning_fp8 import FP8Conv2d, FP8Linear
 
     assert FP8Conv2d.fp8_scalings == ("delayed", "current", "rowwise", "blockwise") and FP8Linear.fp8_scalings is None
-    assert escalation_target(FP8Recipe(), "underflow", "nvfp4", FP8Conv2d.fp8_scalings) is None
-    assert escalation_target(FP8Recipe(), "underflow", "blockwise", FP8Conv2d.fp8_scalings) == "blockwise"
-    assert escalation_target(FP8Recipe(), "sqnr", "rowwise", FP8Linear.fp8_scalings) == "rowwise"
+    from lightning_fp8.kernels.device import profile_of, simulate_cuda
+
+    conv, linear = dict(layer_scalings=FP8Conv2d.fp8_scalings), dict(layer_scalings=FP8Linear.fp8_scalings)
+    assert escalation_target(FP8Recipe(), "underflow", "nvfp4", **conv) is None
+    assert escalation_target(FP8Recipe(), "underflow", "blockwise", **conv) == "blockwise"
+    assert escalation_target(FP8Recipe(), "sqnr", "rowwise", **linear) == "rowwise"
+    # escalate_to="auto" on sm100: a per-tensor linear climbs to mxfp8; a convolution has no rung there: BF16
+    with simulate_cuda((10, 0)):
+        sm100 = profile_of("cpu")
+    assert escalation_target(FP8Recipe(), "underflow", "auto", sm100, **linear) == "mxfp8"
+    assert escalation_target(FP8Recipe(), "underflow", "auto", sm100, **conv) is None
+    with simulate_cuda((9, 0)):
+        sm90 = profile_of("cpu")
+    assert escalation_target(FP8Recipe(), "underflow", "auto", sm90, **conv) == "blockwise"
 
 
 def test_escalation_is_kept_in_checkpoints_and_in_the_precision_map(tmp_path):
@@ -118,3 +129,28 @@ def test_planted_outlier_layer_and_only_it_is_escalated_and_the_run_matches_bf16
     assert all(layer.recipe.scaling == "delayed" and layer.fp8_enabled
                for fqn, layer in layers.items() if fqn != PLANTED_LAYER)
     assert abs(fp8_val - bf16_val) / bf16_val < 0.01, (fp8_val, bf16_val)
+
+
+@pytest.mark.parametrize("target", ["blockwise", "mxfp8"])
+def test_escalating_a_recipe_with_unscaled_gradients_scales_them(target):
+    """The mellempudi preset casts gradients with scale 1 (scale_gradients=False), which the fine-grained scalings
+    refuse: escalating it must give a valid recipe (before: ValueError when the rule fired, mid-training)."""
+    from lightning_fp8.callbacks.fallback_escalation import escalated_recipe
+    from lightning_fp8.presets import get_preset
+
+    mellempudi = get_preset("mellempudi")
+    escalated = escalated_recipe(mellempudi, target)
+    assert escalated.scaling == target and escalated.scale_gradients
+    assert escalated.format == ("e5m2" if target == "blockwise" else "e4m3")  # a per-tensor target keeps the format
+
+
+def test_mellempudi_layer_escalates_in_training():
+    """The same through FP8LayerFallback: the layer moves to blockwise instead of crashing. E5M2's range holds the
+    planted outlier (no flush), so the rule that fires is SQNR: E5M2 has 2 mantissa bits (~25 dB), below 30 dB."""
+    torch.manual_seed(0)
+    model = PlantedRegression()
+    fallback = FP8LayerFallback(check_every_n_steps=1, min_sqnr_db=30.0)
+    trainer(plugins=[FP8Precision(preset="mellempudi")], callbacks=[fallback], max_steps=4).fit(model, loader())
+    info = fallback.escalations["net.2"]
+    assert (info["from"], info["to"]) == ("current", "blockwise")
+    assert fp8_layers(model)["net.2"].recipe.scale_gradients

@@ -178,7 +178,7 @@ def test_the_precision_map_table_shows_each_fp8_layers_scaling(tmp_path):
     page = render_report(load_history(str(tmp_path)))
     table = page[page.index("<table class='precision-map'>"):]
     table = table[: table.index("</table>")]
-    assert "<th>scaling</th>" in table
+    assert "<th>recipe</th>" in table
     assert table.count("<td class='scaling'>blockwise</td>") == 1 and "<td class='scaling'>delayed</td>" in table
     assert "<td class='scaling'></td>" in table  # the BF16 layer
 
@@ -275,3 +275,22 @@ def test_a_version_1_history_still_renders(tmp_path):
     assert "not recorded (history written by an older version)" in page
     assert not re.search(r'class="cell (near|beyond|far)"', page)
     assert "data-rule='engine' data-steps='30'" in page and "data-rule='fallback'" in page
+
+
+def test_each_layers_recipe_goes_from_the_model_to_the_history_to_the_table(tmp_path):
+    """callbacks/hub.py `precision_rows` records each FP8 layer's recipe label (a per-layer nvfp4 recipe with a BF16
+    weight gradient here), and the report's table shows that label, not just the scaling."""
+    from helpers import RegressionModule
+
+    from lightning_fp8 import FP8Recipe, convert_to_fp8
+    from lightning_fp8.callbacks.hub import precision_rows
+
+    special = FP8Recipe(scaling="nvfp4", weight_grad="high_precision")
+    model = convert_to_fp8(RegressionModule().net, layer_recipes={"2": special}, verbose=False)
+    rows = {r["fqn"]: r for r in precision_rows(model)}
+    assert (rows["2"]["recipe"], rows["2"]["scaling"]) == ("nvfp4, wgrad bf16", "nvfp4")
+    assert rows["4"]["recipe"] == "delayed" and "recipe" not in rows["0"]  # the first layer: BF16
+    final_map = {"type": "precision_map", "step": 12, "layers": list(rows.values())}
+    synthetic_history(tmp_path / "fp8_history.jsonl", extra_events=[final_map])
+    page = render_report(load_history(str(tmp_path)))
+    assert "<td class='scaling'>nvfp4, wgrad bf16</td>" in page and "<td class='scaling'>delayed</td>" in page

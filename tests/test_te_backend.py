@@ -81,3 +81,18 @@ def test_without_te_the_backend_says_how_to_install_it():
         pytest.skip("Transformer Engine is installed")
     with pytest.raises(ImportError, match="Transformer Engine is not installed.*pip install"):
         FP8Precision(backend="transformer_engine")
+
+
+def test_auto_recipe_that_te_cannot_express_names_auto_and_its_choice(te_stand_in):
+    """recipe='auto' on sm100 chooses mxfp8, which this TE mapping does not express: the error says that 'auto' chose
+    it, on which device, and what to pass instead (before: only "cannot express scaling='mxfp8'", never chosen by
+    the user)."""
+    from lightning_fp8.kernels.device import simulate_cuda
+
+    with simulate_cuda((10, 0)), pytest.raises(ValueError) as raised:
+        FP8Precision(recipe="auto", backend="transformer_engine")
+    message = str(raised.value)
+    assert "recipe='auto' chose mxfp8 on sm100" in message and "cannot express scaling='mxfp8'" in message
+    assert "pass a recipe" in message
+    with simulate_cuda((9, 0)):
+        FP8Precision(recipe="auto", backend="transformer_engine")  # per-tensor delayed: TE expresses it

@@ -1,9 +1,11 @@
 """FP8LayerFallback: move a layer that cannot live in FP8 to a finer scaling, then to BF16, by itself, and say why.
 
-Escalation (callbacks/fallback_escalation.py): when the overflow or precision rule fires for a layer with per-tensor
-scaling, the layer first moves to `escalate_to` (default "blockwise": per-tile scales, `layer.recipe` changes), with
-its reason logged and an "escalate" event; only when a rule fires again for a layer already that fine (it did not
-help), or the non-finite rule fires, does the layer move to BF16. `escalate_to=None` moves straight to BF16.
+Escalation (callbacks/fallback_escalation.py): when the overflow or precision rule fires for a layer, the layer first
+moves to the next recipe of its GPU's ladder (escalate_to="auto", the default: nvfp4 -> mxfp8 on sm100, per-tensor ->
+blockwise on sm90, per-tensor -> rowwise on sm89, per-tensor -> blockwise without FP8 tensor cores; `layer.recipe`
+changes), with its reason logged and an "escalate" event; only when a rule fires again for a layer at the top of the
+ladder (it did not help), or the non-finite rule fires, does the layer move to BF16. `escalate_to="blockwise"` (or
+"rowwise", "mxfp8") fixes the one step; `escalate_to=None` moves straight to BF16.
 
 Where a layer falls back to BF16: here, in `FP8LayerFallback._fall_back` (the only place that switches
 `layer.fp8_enabled` off at run time).
@@ -69,6 +71,7 @@ from lightning_fp8.callbacks.hub import (
 from lightning_fp8.callbacks.sampling import StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine.distributed import all_reduce_max_
+from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
 from lightning_fp8.recipe import ROLES
@@ -95,8 +98,9 @@ class FP8LayerFallback(StatsConsumer, Callback):
         min_sqnr_db: quantization SQNR (dB) below which a statistics check is bad (None: off). FP8 casts of
             well-scaled tensors measure about 31 dB (E4M3) and 25 dB (E5M2).
         max_underflow: fraction of non-zero values flushed to zero above which a check is bad (None: off).
-        escalate_to: the finer scaling ("blockwise" or "rowwise") a layer moves to before BF16 when the overflow or
-            precision rule fires (None: straight to BF16).
+        escalate_to: "auto" (the next recipe of the ladder of the layer's GPU: docs/monitoring.md), or the one finer
+            scaling ("rowwise", "blockwise", "mxfp8") a layer moves to before BF16 when the overflow or precision rule
+            fires (None: straight to BF16).
         stats_patience: consecutive bad statistics checks that move the layer.
         check_every_n_steps: optimizer steps between statistics checks (they also run on FP8ScaleMonitor's logging
             steps). None: only on the monitor's steps.
@@ -120,7 +124,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         retry_after_steps: Optional[int] = None,
         max_retries: int = 2,
         sample_size: int = DEFAULT_SAMPLE_SIZE,
-        escalate_to: Optional[str] = "blockwise",
+        escalate_to: Optional[str] = "auto",
     ) -> None:
         if isinstance(keep_in_bf16, str):
             keep_in_bf16 = (keep_in_bf16,)
@@ -364,7 +368,8 @@ class FP8LayerFallback(StatsConsumer, Callback):
     # -- switching ---------------------------------------------------------------------------------------------
     def _fall_back(self, trainer, pl_module, fqn: str, rule: str, roles: List[str], reason: str) -> None:
         layer = fp8_layers(pl_module)[fqn]
-        target = escalation_target(layer.recipe, rule, self.escalate_to, layer.fp8_scalings)
+        target = escalation_target(layer.recipe, rule, self.escalate_to, profile_of(layer.weight.device),
+                                   layer.fp8_scalings)
         if target is not None:
             self._escalate(trainer, pl_module, layer, fqn, target, rule, roles, reason)
             return

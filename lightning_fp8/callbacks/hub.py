@@ -50,7 +50,8 @@ def precision_rows(model: nn.Module) -> List[Dict[str, str]]:
             reason = f"{NOT_CONVERTED}; FP8Precision would convert it" if row.precision == "fp8" else (
                 f"{NOT_CONVERTED}; {reason}")
         rows.append({"fqn": row.fqn, "precision": precision, "reason": reason,
-                     **({"scaling": row.scaling} if row.scaling and precision == "fp8" else {})})
+                     **({"scaling": row.scaling} if row.scaling and precision == "fp8" else {}),
+                     **({"recipe": row.recipe} if row.recipe and not row.preview else {})})
     return rows
 
 

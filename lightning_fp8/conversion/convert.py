@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch import nn
 
 from lightning_fp8.conversion import attention, kinds, transplant
+from lightning_fp8.conversion.block_scope import last_block_reasons
 from lightning_fp8.conversion.filters import (
     FIRST_LAST_SWITCH,
     SKIP_REASON_ATTR,
@@ -61,6 +62,7 @@ class LayerPrecision:
     family: str = "linear"
     #: how tensor parallelism splits the layer ("" when it does not): its layout, the style, what moves in FP8
     parallel: str = ""
+    recipe: str = ""  # an FP8 layer's recipe in short (`FP8Recipe.label`: "mxfp8", "nvfp4", "delayed, wgrad bf16")
 
 
 def convert_to_fp8(
@@ -85,7 +87,7 @@ def convert_to_fp8(
     passed as `model` is returned converted (there is no parent to replace it in)."""
     recipe = _check_recipe(recipe)
     per_layer = normalize_layer_recipes(layer_recipes)
-    decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input)
+    decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input, layer_recipes=per_layer)
     parents = _parent_index(model)
     if per_layer:
         warn_unmatched(per_layer, [fqn for fqn, reason in decisions.items() if reason is None])
@@ -122,11 +124,14 @@ def plan_conversion(
     *,
     example_input: Any = AUTO,
     preview: bool = False,
+    layer_recipes: Optional[LayerRecipes] = None,
 ) -> Dict[str, Optional[str]]:
     """{fqn: None (convert) or the reason to stay in BF16} for every linear layer not in FP8 yet, in module order.
 
-    preview: do not call a filter object for its side effects (a filter with `skip_reason` is asked that instead)."""
+    preview: do not call a filter object for its side effects (a filter with `skip_reason` is asked that instead).
+    layer_recipes: as convert_to_fp8's; the last blocks rule reads each layer's own recipe."""
     recipe = _check_recipe(recipe)
+    layer_recipes = normalize_layer_recipes(layer_recipes)
     decisions: Dict[str, Optional[str]] = {}
     candidates: List[str] = []
     for fqn, module in model.named_modules():
@@ -148,22 +153,42 @@ def plan_conversion(
             if reason is None:
                 candidates.append(fqn)
         decisions[fqn] = reason
+    first_last: Dict[str, str] = {}
     if module_filter is None and recipe.keep_first_last_in_bf16 and candidates:
-        order = layer_order(model, candidates, example_input)
-        for fqn, reason in _first_last_reasons(order, model).items():
+        # over every candidate, the tail's too: with a tied head the last linear layer is in the last block, and
+        # the layer before the tail is not "the last linear layer"
+        first_last = _first_last_reasons(layer_order(model, candidates, example_input), model)
+        for fqn, reason in first_last.items():
             if fqn in decisions:  # layers converted before keep their precision (converting twice is a no-op)
                 decisions[fqn] = reason
+    if module_filter is None and candidates:
+        tail = _tail_reasons(model, candidates, recipe, layer_recipes)  # the last blocks rule (block_scope.py)
+        decisions.update({fqn: reason for fqn, reason in tail.items() if fqn in decisions and fqn not in first_last})
     return decisions
 
 
+def _tail_reasons(model: nn.Module, candidates: List[str], recipe: FP8Recipe,
+                  layer_recipes: Tuple[Tuple[str, FP8Recipe], ...]) -> Dict[str, str]:
+    """The last blocks rule with each candidate's own recipe (`layer_recipes` over `recipe`): the blocks are counted
+    over every candidate, and a layer in the tail of its recipe's fraction stays in BF16."""
+    resolved = {fqn: recipe_for(fqn, recipe, layer_recipes) for fqn in candidates}
+    reasons: Dict[str, str] = {}
+    for layer_recipe in {r for r in resolved.values() if r.keep_last_blocks_in_bf16}:
+        tail = last_block_reasons(model, candidates, layer_recipe)
+        reasons.update({fqn: why for fqn, why in tail.items() if resolved[fqn] == layer_recipe})
+    return reasons
+
+
 def _plan_with_attention(model: nn.Module, recipe: FP8Recipe, module_filter: Optional[ModuleFilter],
-                         example_input: Any, preview: bool = False) -> Tuple[Dict[str, Optional[str]], list]:
+                         example_input: Any, preview: bool = False,
+                         layer_recipes: Optional[LayerRecipes] = None) -> Tuple[Dict[str, Optional[str]], list]:
     """plan_conversion with nn.MultiheadAttention's projections exposed as modules (conversion/attention.py); the
     attentions none of whose projections would convert are given back as torch's own (the exposed ones stay: the
     caller converts them, or a preview hides them again). Returns the decisions and the attentions exposed."""
     exposed = attention.expose_projections(model)
     try:
-        decisions = plan_conversion(model, recipe, module_filter, example_input=example_input, preview=preview)
+        decisions = plan_conversion(model, recipe, module_filter, example_input=example_input, preview=preview,
+                                    layer_recipes=layer_recipes)
     except BaseException:
         for _, module in exposed:
             attention.hide_projections(module)
@@ -232,17 +257,17 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
             flops = module.in_features * module.out_features
-            scaling = module.recipe.scaling
+            scaling, recipe_label = module.recipe.scaling, module.recipe.label
             family = kinds.family(module)
             if module.fp8_enabled:
                 note = getattr(module, "fp8_escalation_reason", None)
                 reason = f"converted; {note}" if note else "converted"
                 rows.append(LayerPrecision(fqn, "fp8", reason, label, flops, scaling=scaling, family=family,
-                                           parallel=parallel))
+                                           parallel=parallel, recipe=recipe_label))
             else:
                 reason = module.fp8_disabled_reason or "fp8_enabled=False"
                 rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, family=family,
-                                           parallel=parallel))
+                                           parallel=parallel, recipe=recipe_label))
             continue
         kind = kinds.linear_kind(module)
         if kind is not None:

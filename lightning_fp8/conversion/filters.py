@@ -79,8 +79,9 @@ def convolution_skip_reason(conv: nn.Module) -> Optional[str]:
 
 
 def scaling_skip_reason(module: nn.Module, recipe: FP8Recipe) -> Optional[str]:
-    """Why a layer cannot run the recipe's scaling (None: it can): its FP8 layer has no path for it (`fp8_scalings`;
-    FP8 convolutions run the per-tensor and the tiled scalings only). Asked of the FP8 class, so a scaling added to
+    """Why a layer cannot run the recipe's scaling or weight gradient (None: it can): its FP8 layer has no path for it
+    (`fp8_scalings`, `fp8_weight_grads`; FP8 convolutions run the per-tensor and the tiled scalings with FP8 weight
+    gradients only). Asked of the FP8 class, so a scaling added to
     FP8Recipe later stays out of such layers until they get a path for it, and so does a registered kind's layer."""
     kind = kinds.linear_kind(module)
     if kind is None:
@@ -89,10 +90,14 @@ def scaling_skip_reason(module: nn.Module, recipe: FP8Recipe) -> Optional[str]:
         scalings = kind.fp8_layer_class().fp8_scalings
     except ImportError:
         return None
-    if scalings is None or recipe.scaling in scalings:
-        return None
-    return (f"FP8Recipe.scaling={recipe.scaling!r}: {kind.label} has no FP8 path for it (valid choices: "
-            f"{list(scalings)})")
+    if scalings is not None and recipe.scaling not in scalings:
+        return (f"FP8Recipe.scaling={recipe.scaling!r}: {kind.label} has no FP8 path for it (valid choices: "
+                f"{list(scalings)})")
+    weight_grads = kind.fp8_layer_class().fp8_weight_grads
+    if weight_grads is not None and recipe.weight_grad not in weight_grads:
+        return (f"FP8Recipe.weight_grad={recipe.weight_grad!r}: {kind.label} has no FP8 path for it (valid choices: "
+                f"{list(weight_grads)})")
+    return None
 
 
 def is_lora_adapter(fqn: str) -> bool:

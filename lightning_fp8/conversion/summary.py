@@ -40,6 +40,8 @@ class ConversionSummary:
     module_types: Dict[str, int]  # class name -> count, for modules that hold parameters
     #: modules whose sequence-parallel input PrepareFP8ModuleInput all-gathers (in FP8 where their first layer is)
     fp8_prepared: List[str] = field(default_factory=list)
+    #: how the recipe was chosen (recipe="auto": the device and why), shown after the counts
+    note: Optional[str] = None
 
     @property
     def linear_rows(self) -> List[LayerPrecision]:
@@ -101,6 +103,11 @@ class ConversionSummary:
                 f"lightning_fp8: {n_conv} of {len(convs)} convolutions {verb} in FP8: {share:.1%} of convolution "
                 f"multiply-adds per output position ({self.conv_fp8_flops:,} of {self.conv_flops:,})."
             )
+        if self.note:
+            lines.append(f"  {self.note}")
+        recipes = Counter(r.recipe for r in self.rows if r.precision == "fp8" and r.recipe)
+        if len(recipes) > 1 or (recipes and self.note):
+            lines.append("  recipes: " + ", ".join(f"{label} ({count} layers)" for label, count in recipes.items()))
         foreign = [r for r in self.rows if r.precision == "fp8" and r.reason != "converted" and not r.preview]
         if foreign:
             lines.append(f"  {len(foreign)} of them converted by another library: {_names([r.fqn for r in foreign])}")
@@ -152,24 +159,25 @@ class ConversionSummary:
         )
 
 
-def conversion_summary(model: nn.Module) -> ConversionSummary:
+def conversion_summary(model: nn.Module, note: Optional[str] = None) -> ConversionSummary:
     """The summary of a converted model (or, for a model not converted yet, of what conversion would do)."""
     types: Counter = Counter()
     for module in model.modules():
         if any(p is not None for p in module._parameters.values()):
             types[type(module).__name__] += 1
     prepared = [fqn for fqn, module in model.named_modules() if PREPARED_ATTR in module.__dict__]
-    return ConversionSummary(precision_map(model), dict(types.most_common()), prepared)
+    return ConversionSummary(precision_map(model), dict(types.most_common()), prepared, note)
 
 
 def log_conversion_summary(
     model: nn.Module,
     info: Optional[Callable[[str], None]] = None,
     warn: Optional[Callable[[str], None]] = None,
+    note: Optional[str] = None,
 ) -> ConversionSummary:
     """Log the summary (`info`, default: logger "lightning_fp8" at INFO) and its warning (`warn`, default:
-    warnings.warn), e.g. through a framework's rank-zero logging; returns it."""
-    summary = conversion_summary(model)
+    warnings.warn), e.g. through a framework's rank-zero logging; returns it. `note`: how the recipe was chosen."""
+    summary = conversion_summary(model, note)
     (info or log.info)(summary.text())
     message = summary.warning()
     if message is not None:

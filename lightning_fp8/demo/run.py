@@ -98,17 +98,23 @@ def train_once(name: str, corpus: CharCorpus, args: argparse.Namespace, fp8: boo
 
 def demo_recipe(args: argparse.Namespace):
     """The FP8 recipe of the run: the preset's, with --recipe's scaling (a fine-grained scaling takes its own default
-    formats, E4M3 everywhere, unless the preset names others)."""
+    formats, E4M3 everywhere, unless the preset names others; mxfp8 / nvfp4 take their own formats, rounding and
+    transforms, numerics/microscaling.py)."""
     import dataclasses
 
     from lightning_fp8.presets import get_preset
+    from lightning_fp8.recipe import MICROSCALING_SCALINGS, scale_gradients_with
 
     recipe = get_preset(args.preset)
     scaling = getattr(args, "recipe", None)
     if scaling is None or scaling == recipe.scaling:
         return recipe
+    if scaling in MICROSCALING_SCALINGS:
+        return dataclasses.replace(recipe, scaling=scaling, format=None, rounding=None, random_hadamard=None,
+                                   keep_last_blocks_in_bf16=None, scale_gradients=scale_gradients_with(recipe, scaling))
     keep_format = args.preset != "default"
-    return dataclasses.replace(recipe, scaling=scaling, format=recipe.format if keep_format else None)
+    return dataclasses.replace(recipe, scaling=scaling, format=recipe.format if keep_format else None,
+                               scale_gradients=scale_gradients_with(recipe, scaling))
 
 
 def format_table(fp8: RunResult, baseline: RunResult, steps: int, emulated: bool = False,
@@ -152,9 +158,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="default", help="FP8 preset: default, conservative, mellempudi")
-    parser.add_argument("--recipe", default=None, choices=["delayed", "current", "rowwise", "blockwise"],
-                        help="FP8 scaling (default: the preset's): per-tensor delayed / current, or fine-grained "
-                             "rowwise / blockwise (1x128 tiles, 128x128 weight blocks)")
+    parser.add_argument("--recipe", default=None,
+                        choices=["delayed", "current", "rowwise", "blockwise", "mxfp8", "nvfp4"],
+                        help="FP8 scaling (default: the preset's): per-tensor delayed / current, fine-grained "
+                             "rowwise / blockwise (1x128 tiles, 128x128 weight blocks), or Blackwell's block-scaled "
+                             "formats mxfp8 (1x32 E8M0 blocks) / nvfp4 (FP4 with 16-element E4M3 blocks)")
     parser.add_argument("--baseline", default="auto", choices=["auto", "bf16", "fp32"],
                         help="the high-precision run FP8 is compared with (default auto: BF16 mixed precision where "
                              "BF16 runs in hardware, float32 on a CPU without it)")

@@ -21,6 +21,7 @@ from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
 from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
 from lightning_fp8.modules.autocast import fp8_autocast
+from lightning_fp8.presets import RecipeChoice
 from lightning_fp8.recipe import FP8Recipe
 
 
@@ -33,7 +34,9 @@ class FP8PrecisionCore:
 
     def _init_core(self, options: FP8Options) -> None:
         self.options = options
-        self.recipe = options.resolved_recipe()
+        #: the recipe and where it came from (recipe="auto": the device it was chosen for, and why)
+        self.recipe_choice = options.recipe_choice()
+        self.recipe = self.recipe_choice.recipe
         self.preset = options.preset
         self.module_filter = options.module_filter
         self.optimizer_state = options.optimizer_state
@@ -75,12 +78,16 @@ class FP8PrecisionCore:
         if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
             from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
+            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn, note=self.recipe_note())
         exclude_fp8_meta_from_ddp_broadcast(module)
         adopt_tensor_parallel(self, module)
         self._module = module
         self.engine.attach(module)
         return module
+
+    def recipe_note(self) -> Optional[str]:
+        """The conversion summary's line on the recipe: what recipe="auto" chose, for which device, and why."""
+        return self.recipe_choice.describe() if self.options.recipe == "auto" else None
 
     def _convert_module_te(self, module: nn.Module) -> nn.Module:
         """backend="transformer_engine": nn.Linear layers become te.Linear (backends/transformer_engine.py); the engine
@@ -151,8 +158,11 @@ class FP8PrecisionCore:
         model's own state_dict leaves out. An open iteration is closed first: a checkpoint holds whole iterations."""
         self.engine.end_iteration()
         state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
+        if self.options.recipe == "auto":
+            state["auto_recipe"] = self.recipe_choice.to_dict()
         if self._module is not None:
             state["fp8_meta"] = fp8_state_dict(self._module)
+            state["layer_recipes"] = layer_recipe_state(self._module)
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -163,10 +173,42 @@ class FP8PrecisionCore:
                 f"lightning_fp8: the checkpoint was trained with {saved_recipe}, this run uses {self.recipe}; "
                 "the scaling state is loaded as it is."
             )
+        saved_auto = state_dict.get("auto_recipe")
+        if saved_auto is not None and self.options.recipe == "auto":
+            if saved_auto["device"] != self.recipe_choice.device:
+                warnings.warn(f"lightning_fp8: the checkpoint's recipe='auto' chose {saved_auto['recipe']['scaling']} "
+                              f"on {saved_auto['device']}; on {self.recipe_choice.device} it chooses "
+                              f"{self.recipe.scaling}: the run resumes with the checkpoint's recipe for every layer")
+            # the layers run the checkpoint's choice from here on: the next checkpoint records that choice, not
+            # the one this device would have made
+            self.recipe_choice = RecipeChoice(FP8Recipe.from_dict(saved_auto["recipe"]), saved_auto["device"],
+                                              saved_auto["reason"])
+        # each layer's recipe first: adopting it resizes the amax history to the saved length, which the saved
+        # history then fills (the other order cut the saved history to this run's length, then padded it with zeros)
+        if self._module is not None and state_dict.get("layer_recipes"):
+            load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         meta = state_dict.get("fp8_meta")
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
         self.engine.resync()
+
+
+def layer_recipe_state(module: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """Every FP8 layer's recipe (what recipe="auto", per-layer recipes, the NVFP4 scope and FP8LayerFallback's
+    escalations made of it), so a resumed run computes each layer as before."""
+    from lightning_fp8.conversion.convert import fp8_layers
+
+    return {fqn: layer.recipe.to_dict() for fqn, layer in fp8_layers(module).items()}
+
+
+def load_layer_recipe_state(module: nn.Module, saved: Dict[str, Dict[str, Any]]) -> None:
+    from lightning_fp8.conversion.convert import fp8_layers
+
+    for fqn, layer in fp8_layers(module).items():
+        if fqn in saved:
+            recipe = FP8Recipe.from_dict(saved[fqn])
+            if recipe != layer.recipe:
+                layer.recipe = recipe
 
 
 def exclude_fp8_meta_from_ddp_broadcast(module: nn.Module) -> None:

@@ -100,7 +100,7 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
     if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
         from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-        log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
+        log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn, note=core.recipe_note())
     core._module = module
     core.engine.attach(module)
     return module

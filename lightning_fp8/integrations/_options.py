@@ -17,7 +17,7 @@ from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.loss_scaler import LossScaling, parse_loss_scaling, resolve_loss_scaling
-from lightning_fp8.presets import get_preset
+from lightning_fp8.presets import AUTO, RecipeChoice, auto_recipe, get_preset
 from lightning_fp8.recipe import FP8Recipe
 
 OPTIMIZER_STATE_CHOICES = ("fp32", "fp8")
@@ -33,8 +33,10 @@ BOOLEAN_OPTIONS = ("fp8_eval", "fp8_all_gather")
 class FP8Options:
     """Options of FP8 training (documented in docs/plugin.md; the adapters' docstrings repeat them).
 
-    recipe: an FP8Recipe (formats, scaling, which layers); or preset: a named recipe ("default", "conservative",
-        "mellempudi"). At most one of the two.
+    recipe: an FP8Recipe (formats, scaling, which layers); or "auto": the recipe for the device's compute capability
+        (`presets.auto_recipe`: mxfp8 on Blackwell, the per-tensor default elsewhere; logged in the conversion summary
+        and kept in checkpoints); or preset: a named recipe ("default", "conservative", "mellempudi"). At most one of
+        recipe and preset.
     module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
     loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
     init_loss_scale, growth_interval: the dynamic loss scaler's start value and clean steps before it doubles.
@@ -64,7 +66,7 @@ class FP8Options:
         Engine backend"). Not to be confused with FP8Recipe.backend, the GEMM implementation of FP8Linear.
     """
 
-    recipe: Optional[FP8Recipe] = None
+    recipe: Optional[Union[FP8Recipe, str]] = None
     preset: Optional[str] = None
     module_filter: Optional[ModuleFilter] = None
     loss_scaling: LossScaling = "auto"
@@ -93,8 +95,11 @@ class FP8Options:
     def validate(self) -> None:
         if self.recipe is not None and self.preset is not None:
             raise ValueError("give either recipe= or preset=, not both (a preset is a named recipe)")
-        if self.recipe is not None and not isinstance(self.recipe, FP8Recipe):
-            raise TypeError(f"recipe must be an FP8Recipe, got {type(self.recipe).__name__}")
+        if isinstance(self.recipe, str) and self.recipe != AUTO:
+            raise ValueError(f"recipe={self.recipe!r} is not valid; valid choices: an FP8Recipe, {AUTO!r} (the recipe "
+                             "for this device's compute capability), or None (the preset's)")
+        if self.recipe is not None and not isinstance(self.recipe, (FP8Recipe, str)):
+            raise TypeError(f"recipe must be an FP8Recipe or {AUTO!r}, got {type(self.recipe).__name__}")
         if self.preset is not None:
             get_preset(self.preset)  # raises naming the valid presets
         if self.optimizer_state not in OPTIMIZER_STATE_CHOICES:
@@ -124,10 +129,28 @@ class FP8Options:
                                  "runs one TE recipe for every layer")
             from lightning_fp8.backends.transformer_engine import te_recipe
 
-            te_recipe(self.resolved_recipe())  # TE installed, and the recipe expressible: said here, at construction
+            choice = self.recipe_choice()
+            try:
+                te_recipe(choice.recipe)  # TE installed, and the recipe expressible: said here, at construction
+            except ValueError as error:
+                if self.recipe != AUTO:
+                    raise
+                raise ValueError(
+                    f"recipe='auto' chose {choice.recipe.label} on {choice.device} ({choice.reason}), and {error}; "
+                    f"with backend='transformer_engine' pass a recipe TE expresses (e.g. FP8Recipe(), per-tensor "
+                    f"delayed scaling), or use backend='lightning_fp8' for recipe='auto'"
+                ) from error
 
     def resolved_recipe(self) -> FP8Recipe:
-        return self.recipe if self.recipe is not None else get_preset(self.preset or "default")
+        return self.recipe_choice().recipe
+
+    def recipe_choice(self) -> RecipeChoice:
+        """The recipe with where it came from: recipe="auto" chooses for the device (`presets.auto_recipe`)."""
+        if self.recipe == AUTO:
+            return auto_recipe()
+        if self.recipe is not None:
+            return RecipeChoice(self.recipe, "", "given")
+        return RecipeChoice(get_preset(self.preset or "default"), "", f"preset {self.preset or 'default'!r}")
 
     def stability_config(self) -> StabilityConfig:
         return StabilityConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StabilityConfig)})

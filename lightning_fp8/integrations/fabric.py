@@ -59,7 +59,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     def __init__(
         self,
-        recipe: Optional[FP8Recipe] = None,
+        recipe: Optional[Union[FP8Recipe, str]] = None,
         *,
         preset: Optional[str] = None,
         module_filter: Optional[ModuleFilter] = None,

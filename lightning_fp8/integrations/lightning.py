@@ -31,7 +31,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
     """Train an unchanged LightningModule with its linear layers in FP8: `Trainer(plugins=FP8Precision())`.
 
     Args:
-        recipe: an FP8Recipe (formats, scaling, which layers); or
+        recipe: an FP8Recipe (formats, scaling, which layers); "auto" (the recipe for the device's compute capability:
+            mxfp8 on Blackwell, the per-tensor default elsewhere; docs/plugin.md); or
         preset: a named recipe: "default", "conservative", "mellempudi" (see lightning_fp8.presets).
         module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
         loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
@@ -69,7 +70,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     def __init__(
         self,
-        recipe: Optional[FP8Recipe] = None,
+        recipe: Optional[Union[FP8Recipe, str]] = None,
         *,
         preset: Optional[str] = None,
         module_filter: Optional[ModuleFilter] = None,

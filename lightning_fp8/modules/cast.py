@@ -15,6 +15,8 @@ from lightning_fp8 import kernels
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, RoleState
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.scaling import cast_scale as _cast_scale
+from lightning_fp8.kernels.microscaled_ops import transposed_noise_shape
+from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.tiles import expand_tiles, operand_tiles, tile_amax, tile_scales
 from lightning_fp8.recipe import FP8Recipe
 
@@ -71,17 +73,47 @@ def tiled_cast(
     layouts: Tuple[bool, bool] = (True, True),
     generator: Optional[torch.Generator] = None,
 ):
-    """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_fp8, scale_inv), (x^T_fp8, scale_inv^T)), the
-    layouts not asked for (`layouts` = (x, x^T)) as (None, None). One `lightning_fp8::tiled_cast` op; record=True
-    accumulates x's amax into the role's open history slot (the scales never depend on it)."""
+    """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_q, scales, tensor scale), (x^T_q, scales^T, tensor
+    scale^T)), the layouts not asked for (`layouts` = (x, x^T)) as (None, None, None); the tensor scale is None except
+    for NVFP4. One op: `lightning_fp8::tiled_cast` (rowwise, blockwise: float32 dequant scales) or
+    `lightning_fp8::microscaled_cast` (mxfp8, nvfp4); record=True accumulates x's amax into the role's open history
+    slot (the scales never depend on it)."""
+    return cast_tiles(x, meta.amax_history, ROLE_INDEX[role], recipe, role, record, layouts, generator)
+
+
+def cast_tiles(
+    x: Tensor,
+    history: Tensor,
+    role_index: int,
+    recipe: FP8Recipe,
+    role: str,
+    record: bool,
+    layouts: Tuple[bool, bool] = (True, True),
+    generator: Optional[torch.Generator] = None,
+):
+    """`tiled_cast` on a history tensor (what the fine-grained autograd function calls in backward)."""
     tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
-    noise = None
-    if recipe.rounding_for(role) == "stochastic":
-        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    return kernels.tiled_cast(
-        x, meta.amax_history, ROLE_INDEX[role], recipe.format_for(role), tile if layouts[0] else (),
-        tile_t if layouts[1] else (), recipe.margin, recipe.power_of_2_scales, record=record, noise=noise,
+    tile, tile_t = tile if layouts[0] else (), tile_t if layouts[1] else ()
+    stochastic = recipe.rounding_for(role) == "stochastic"
+    if recipe.microscaled:
+        hadamard = recipe.random_hadamard and role != "weight"  # the weight-gradient GEMM's inputs: x^T and dY^T
+        noise = noise_t = None
+        if stochastic:
+            if tile:
+                noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            if tile_t:
+                noise_t = torch.rand(transposed_noise_shape(x.shape, hadamard), generator=generator, device=x.device,
+                                     dtype=torch.float32)
+        return kernels.microscaled_cast(
+            x, history, role_index, recipe.scaling, recipe.format_for(role), tile, tile_t, hadamard_t=hadamard,
+            noise=noise, noise_t=noise_t, record=record,
+        )
+    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if stochastic else None
+    (q, s), (q_t, s_t) = kernels.tiled_cast(
+        x, history, role_index, recipe.format_for(role), tile, tile_t, recipe.margin, recipe.power_of_2_scales,
+        record=record, noise=noise,
     )
+    return (q, s, None), (q_t, s_t, None)
 
 
 def cast_scale(
@@ -90,11 +122,20 @@ def cast_scale(
     """The scale the cast of `x` (amax `amax`) uses under the recipe: observers call it to see what the cast saw.
 
     Fine-grained recipes: one scale per element of x (its tile's, for the layout of the first GEMM the role feeds:
-    x and dy in row tiles, W in its blocks / rows), x's shape (a leading batch shape is flattened into rows)."""
+    x and dy in row tiles, W in its blocks / rows), x's shape (a leading batch shape is flattened into rows). For the
+    microscaling recipes, the multiplier each element is cast with: 2^-e of its MX block, 1 / (s * g) of its NVFP4
+    block."""
     if recipe.fine_grained:
         x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         tile, _ = operand_tiles(recipe.scaling, recipe.block_size, role)
-        scales = tile_scales(tile_amax(x2d, tile), fmt, recipe.margin, recipe.power_of_2_scales)
+        amax_tiles = tile_amax(x2d, tile)
+        if recipe.scaling == "mxfp8":
+            scales = microscaling.e8m0_reciprocal(microscaling.mx_scales(amax_tiles, fmt))
+        elif recipe.scaling == "nvfp4":
+            g = microscaling.nvfp4_tensor_scale(amax_tiles.amax() if amax_tiles.numel() else amax)
+            scales = (microscaling.nvfp4_block_scales(amax_tiles, g).to(torch.float32) * g).reciprocal()
+        else:
+            scales = tile_scales(amax_tiles, fmt, recipe.margin, recipe.power_of_2_scales)
         return expand_tiles(scales, tile, x2d.shape).reshape(x.shape)
     return _cast_scale(
         state.amax_history.to(amax.device),
@@ -133,4 +174,4 @@ def cast_to_fp8(
     return out_t if layout == "t" else (out, out_t)
 
 
-__all__ = ["scaled_cast", "tiled_cast", "cast_scale", "cast_to_fp8", "scaling_mode"]
+__all__ = ["scaled_cast", "tiled_cast", "cast_tiles", "cast_scale", "cast_to_fp8", "scaling_mode"]

@@ -50,6 +50,9 @@ class FP8ConvNd(FP8Layer):
     #: the class this FP8 layer replaces (nn.Conv1d / nn.Conv2d)
     unconverted_class: type = nn.Module
     fp8_scalings = CONV_SCALINGS
+    #: the weight-gradient GEMM runs on the FP8 operands only (FP8Recipe(weight_grad="high_precision") has no
+    #: convolution path yet: the backward would need the unfolded input kept in high precision)
+    fp8_weight_grads = ("quantized",)
 
     # -- the GEMM view of the layer ---------------------------------------------------------------------------------
     @property
@@ -83,6 +86,9 @@ class FP8ConvNd(FP8Layer):
         geometry = ConvGeometry.of(self)
         out_dtype = _output_dtype(x)
         meta = self.fp8_meta
+        if recipe.weight_grad not in self.fp8_weight_grads:
+            raise ValueError(f"{type(self).__name__}: FP8Recipe.weight_grad={recipe.weight_grad!r} has no convolution "
+                             f"path; valid choices: {list(self.fp8_weight_grads)}")
         if recipe.scaling in TILED_SCALINGS:
             y = fine_grained_conv(self, x4, w4, bias, recipe, training, observer, out_dtype, geometry)
         elif recipe.scaling not in PER_TENSOR_SCALINGS:

@@ -10,7 +10,9 @@ FP8 operands, their scales and, for the gradient cast, the layer's amax history,
 (a custom op with a declared mutation). Only tensors and constants cross `apply`.
 
 What backward keeps: x in FP8 (1 byte per element, in the layout wgrad reads), the scales, and the weight Parameter
-itself (no copy): the weight is re-cast with the forward's scale in the layout dgrad reads.
+itself (no copy): the weight is re-cast with the forward's scale in the layout dgrad reads. With
+weight_grad="high_precision" it keeps x in high precision instead, and the weight gradient is the BF16 GEMM dy^T @ x
+(`gemm.high_precision_gemm`).
 
 Output dtypes: every GEMM produces the compute dtype (the autocast dtype, else the input's), as nn.Linear under
 autocast does; dx and dW are then converted to the dtypes of x and W. (On the emulated path this is what makes a BF16
@@ -25,7 +27,7 @@ import torch
 from lightning_fp8 import kernels
 from lightning_fp8.modules.cast import cast_to_fp8, scaling_mode
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
-from lightning_fp8.modules.gemm import fp8_gemm
+from lightning_fp8.modules.gemm import fp8_gemm, high_precision_gemm
 from lightning_fp8.modules.precast import PrecastFP8Weight
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.recipe import FP8Recipe
@@ -45,6 +47,7 @@ class GemmConfig(NamedTuple):
     record: bool
     fast_accum: bool
     backend: str
+    hp_wgrad: bool = False  # weight_grad="high_precision"
 
     @staticmethod
     def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool) -> "GemmConfig":
@@ -60,6 +63,7 @@ class GemmConfig(NamedTuple):
             record=record,
             fast_accum=recipe.fast_accum_forward,
             backend=recipe.backend,
+            hp_wgrad=recipe.high_precision_wgrad,
         )
 
 
@@ -74,6 +78,8 @@ class FP8Gemms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg):
         x_wgrad = x_fp8_t.t() if x_fp8_t is not None else x_fp8
+        if cfg.hp_wgrad:
+            x_wgrad = x2d  # the weight gradient is a BF16 GEMM: x in high precision, not its FP8 cast
         out = fp8_gemm(
             x_fp8, x_scale_inv, w_fp8.t(), w_scale_inv, cfg.out_dtype, bias, cfg.fast_accum, cfg.backend
         )
@@ -103,7 +109,8 @@ class FP8Gemms(torch.autograd.Function):
         g = grad_out
         if ctx.observer is not None:
             ctx.observer("grad_output", g)
-        g_fp8, g_t, g_scale_inv = cast_gradient(g, history, cfg, write_t=needs_wgrad and kernels.materializes_transpose(g))
+        quantized_wgrad = needs_wgrad and not cfg.hp_wgrad
+        g_fp8, g_t, g_scale_inv = cast_gradient(g, history, cfg, write_t=quantized_wgrad and kernels.materializes_transpose(g))
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)
@@ -116,9 +123,12 @@ class FP8Gemms(torch.autograd.Function):
             grad_x = fp8_gemm(g_fp8, g_scale_inv, w_b, w_scale_inv, cfg.out_dtype, None, False, cfg.backend)
             if grad_x.dtype != ctx.x_dtype:
                 grad_x = grad_x.to(ctx.x_dtype)
-        if needs_wgrad:
+        if needs_wgrad and cfg.hp_wgrad:
+            grad_w = high_precision_gemm(g.t(), x_wgrad, cfg.out_dtype)
+        elif needs_wgrad:
             g_a = g_t if g_t is not None else g_fp8.t()
             grad_w = fp8_gemm(g_a, g_scale_inv, x_wgrad, x_scale_inv, cfg.out_dtype, None, False, cfg.backend)
+        if needs_wgrad:
             if grad_w.dtype != ctx.weight_dtype:
                 grad_w = grad_w.to(ctx.weight_dtype)
         if needs_bgrad:

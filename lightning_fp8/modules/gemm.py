@@ -241,6 +241,17 @@ def emulated_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None) -> Tenso
     return out.to(out_dtype)
 
 
+def high_precision_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b in the compute dtype: the weight-gradient GEMM of weight_grad="high_precision" (torchao's `*_with_gw_hp`).
+    The operands in `out_dtype` (BF16 under autocast), products accumulated in float32, one rounding to `out_dtype`:
+    a BF16 GEMM where the device multiplies BF16 natively (CUDA, a CPU with BF16 hardware), else the same operands
+    multiplied in float32 and rounded once (equal up to summation order; an AVX2 CPU's BF16 GEMM is ~150x slower)."""
+    a, b = a.to(out_dtype), b.to(out_dtype)
+    if out_dtype != torch.float32 and a.device.type == "cpu" and not cpu_has_native_bf16():
+        return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(out_dtype)
+    return torch.mm(a, b)
+
+
 def _float32_image(x: Tensor) -> Tensor:
     """x's values in float32. On CPU through the BF16 table lookup (`fp8_bf16_image`, exact) and a vectorised
     widening: about 3x faster than torch's float8 -> float32 conversion, a scalar loop on CPU (2.3 vs 7.9 ms for
@@ -321,5 +332,5 @@ def fp8_bf16_image(x: Tensor) -> Tensor:
     return _BF16_OF_CODE[x.dtype].to(x.device).index_select(0, codes.to(torch.int32)).reshape(x.shape)
 
 
-__all__ = ["fp8_gemm", "emulated_gemm", "run_gemm", "record_gemms", "record", "warn_emulation", "cpu_has_native_bf16",
+__all__ = ["fp8_gemm", "emulated_gemm", "high_precision_gemm", "run_gemm", "record_gemms", "record", "warn_emulation", "cpu_has_native_bf16",
            "fp8_bf16_image", "resolve_backend", "scaled_mm_supported", "FP8EmulationWarning"]

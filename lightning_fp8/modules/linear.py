@@ -69,6 +69,8 @@ class FP8Layer(nn.Module):
     #: the FP8Recipe scalings this layer has a path for; None: every one the recipe accepts. Conversion keeps a layer
     #: whose recipe asks for another in BF16 with that reason, and FP8LayerFallback does not escalate it there.
     fp8_scalings: Optional[Tuple[str, ...]] = None
+    #: the FP8Recipe.weight_grad choices this layer has a path for; None: every one (same rules as fp8_scalings)
+    fp8_weight_grads: Optional[Tuple[str, ...]] = None
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
         self.fp8_meta = FP8LinearMeta(recipe if recipe is not None else FP8Recipe(), device=device)
@@ -181,13 +183,15 @@ class FP8Layer(nn.Module):
         x2d = x.reshape(-1, weight.shape[1])
         needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
         if recipe.fine_grained:
-            # one op per tensor: x in both layouts (x^T only when a weight gradient will be computed), W in its own
-            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad))
+            # one op per tensor: x in both layouts (x^T only when a quantized weight gradient will be computed), W in
+            # its own
+            quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
+            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, quantized_wgrad))
             w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
             cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
             out = apply_fp8_tiled_gemms(x2d, weight, bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
-        materialize = needs_wgrad and kernels.materializes_transpose(x2d)
+        materialize = needs_wgrad and not recipe.high_precision_wgrad and kernels.materializes_transpose(x2d)
         if isinstance(x2d, PrecastFP8Input):
             x_fp8, _, x_scale_inv = x2d.fp8_operands(meta.amax_history, ROLE_INDEX["input"], training)
             x_t = x_fp8.t().contiguous() if materialize else None  # the layout wgrad reads (1 byte per element)
@@ -228,7 +232,8 @@ class FP8Layer(nn.Module):
         scaling = self.recipe.scaling
         if scaling == "blockwise":
             scaling += f"({self.recipe.block_size})"
-        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={scaling}, precision={precision}"
+        wgrad = ", weight_grad=high_precision" if self.recipe.high_precision_wgrad else ""
+        return f"{super().extra_repr()}, format={self.recipe.format}, scaling={scaling}{wgrad}, precision={precision}"
 
 
 class FP8Linear(FP8Layer, nn.Linear):

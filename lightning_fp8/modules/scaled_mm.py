@@ -27,6 +27,21 @@ docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
                v1 `torch._scaled_mm` accepts only the unpadded layout, which gives silent wrong answers where
                (K/128) % 4 != 0, so blockwise never goes through v1. 1x128 scales: mat_a's (M, K/128) with strides
                (1, M), mat_b's (N, K/128) with strides (1, N). M, K and N multiples of 128 (other shapes are refused).
+  mxfp8        1x32 blocks along K of both operands with E8M0 scales (`torch.float8_e8m0fnu`), BlockWise1x32 through
+               `torch.nn.functional.scaled_mm` (v2): Blackwell only (sm100 / sm103, sm120 / sm121: cuBLASLt's
+               VEC32_UE8M0 scale mode, CUDA >= 12.8; sm89 / sm90 have no block-scaled tensor cores), both operands
+               e4m3 (torch's MX check), no fast accumulation. Each operand's scales, (rows, ceil(K/32)) with rows = M
+               for mat_a and N for mat_b, zero-padded to (round_up(rows, 128), round_up(ceil(K/32), 4)) and swizzled
+               into cuBLASLt's 128 x 4 tiles (SWIZZLE_32_4_4: `swizzle_32_4_4`), flat and contiguous. K is zero-padded
+               to a multiple of 32 and N to 16 (padded elements are zero; a ragged last block keeps its scale).
+  nvfp4        FP4 E2M1 operands (`torch.float4_e2m1fn_x2`, two per byte along K) with two-level scales per operand:
+               BlockWise1x16 E4M3 block scales (swizzled as for MX, over ceil(K/16) blocks) and a TensorWise float32
+               scale (cuBLASLt multiplies the accumulator by their product). sm100 / sm103 only here (cuBLASLt's
+               VEC16_UE4M3 mode; sm120's FP4 path is not established: Transformer Engine's NVFP4 recipe fails there,
+               TransformerEngine#2255), no fast accumulation (torch refuses it for FP4). 16 x 16 weight blocks are
+               handed over as the 1 x 16 scales of their rows (the same scale repeated). K is zero-padded to 32
+               elements, N to 16.
+  A bias of an mxfp8 / nvfp4 GEMM is added after it in float32, before the one rounding (as for blockwise).
 """
 from __future__ import annotations
 
@@ -49,6 +64,10 @@ ROWWISE = "rowwise"
 BLOCK_1x128_128x128 = "blockwise 1x128 x 128x128"
 BLOCK_1x128_1x128 = "blockwise 1x128 x 1x128"
 BLOCKWISE = (BLOCK_1x128_128x128, BLOCK_1x128_1x128)
+MXFP8 = "mxfp8 1x32"
+NVFP4 = "nvfp4 1x16"
+MICROSCALED = (MXFP8, NVFP4)
+E8M0, FP4 = torch.float8_e8m0fnu, torch.float4_e2m1fn_x2
 
 V1 = "torch._scaled_mm"
 V2 = "torch.nn.functional.scaled_mm"
@@ -74,8 +93,18 @@ class ArchRules:
 ARCH_RULES: Dict[int, ArchRules] = {
     8: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass", rowwise_ignores_strides=True),
     9: ArchRules(kinds=(TENSORWISE, ROWWISE) + BLOCKWISE, rowwise_backend="cublaslt"),
-    10: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass"),
-    12: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass"),
+    10: ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8, NVFP4), rowwise_backend="cutlass"),
+    12: ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8), rowwise_backend="cutlass"),
+}
+
+#: why an architecture refuses a kind it does not list (the caller emulates and warns once with this)
+_KIND_REFUSALS = {
+    BLOCK_1x128_128x128: "runs on sm90 only (cuBLASLt's block scale modes)",
+    BLOCK_1x128_1x128: "runs on sm90 only (cuBLASLt's block scale modes)",
+    MXFP8: ("needs Blackwell tensor cores (sm100 / sm120): cuBLASLt has no MX (VEC32_UE8M0) kernels before "
+            "Blackwell"),
+    NVFP4: ("runs natively on sm100 / sm103 only: FP4 tensor cores are Blackwell's, and sm120's FP4 path through "
+            "torch 2.13 is not established (Transformer Engine's NVFP4 recipe fails there)"),
 }
 
 
@@ -153,26 +182,42 @@ class GemmOperands(NamedTuple):
     out_dtype: torch.dtype
     bias: Optional[Tensor]
     use_fast_accum: bool
+    #: NVFP4's second scale level: each operand's float32 tensor decode scale (None for the other kinds)
+    a_tensor_scale: Optional[Tensor] = None
+    b_tensor_scale: Optional[Tensor] = None
 
     @property
     def shape(self) -> Tuple[int, int, int]:
-        """(M, K, N)"""
-        return self.a.shape[0], self.a.shape[1], self.b.shape[1]
+        """(M, K, N), K in elements (an FP4 operand holds two per byte along K)."""
+        packing = 2 if self.a.dtype == FP4 else 1
+        return self.a.shape[0], self.a.shape[1] * packing, self.b.shape[1]
 
     def kind(self) -> Optional[str]:
-        """The scaling kind of this request: tensorwise, rowwise, one of the blockwise kinds, or None (a tiling no
-        scaled GEMM takes)."""
+        """The scaling kind of this request: tensorwise, rowwise, one of the blockwise kinds, mxfp8, nvfp4, or None (a
+        tiling no scaled GEMM takes). The microscaled kinds are told by their scale dtypes (E8M0 / FP4 data)."""
         if self.a_tile is None and self.b_tile is None:
             return TENSORWISE
         if self.a_tile is None or self.b_tile is None:
             return None
         m, k, n = self.shape
+        if self.a.dtype == FP4 or self.b.dtype == FP4 or E8M0 in (self.a_scale_inv.dtype, self.b_scale_inv.dtype):
+            return self._microscaled_kind()
         ar, ak = tile_extent(self.a_tile, (m, k))
         bk, bc = tile_extent(self.b_tile, (k, n))
         if ar == 1 and ak == k and bk == k and bc == 1:
             return ROWWISE
         if ar == 1 and ak == 128 and bk == 128:
             return {128: BLOCK_1x128_128x128, 1: BLOCK_1x128_1x128}.get(bc)
+        return None
+
+    def _microscaled_kind(self) -> Optional[str]:
+        a_k, b_k = self.a_tile[1], self.b_tile[0]
+        if self.a_scale_inv.dtype == E8M0 and self.b_scale_inv.dtype == E8M0 and self.a.dtype != FP4:
+            ok = tuple(self.a_tile) == (1, 32) and tuple(self.b_tile) == (32, 1)
+            return MXFP8 if ok else None
+        if self.a.dtype == FP4 and self.b.dtype == FP4 and self.a_scale_inv.dtype == E4M3 == self.b_scale_inv.dtype:
+            rows_ok = self.a_tile[0] in (1, 16) and self.b_tile[1] in (1, 16)
+            return NVFP4 if (a_k == b_k == 16 and rows_ok) else None
         return None
 
 
@@ -208,11 +253,26 @@ class ScaledMMCall:
     finish: _Finish
     target: ScaledMMTarget
 
+    #: NVFP4's tensor scales (the second TensorWise scale of each operand)
+    tensor_scale_a: Optional[Tensor] = None
+    tensor_scale_b: Optional[Tensor] = None
+
     def launch(self) -> Tensor:
         """Run the call (on the tensors' device) and finish its output."""
         if self.api == V1:
             out = torch._scaled_mm(self.mat_a, self.mat_b, scale_a=self.scale_a, scale_b=self.scale_b, bias=self.bias,
                                    out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum)
+        elif self.kind in MICROSCALED:
+            scaling, swizzle = F.ScalingType, F.SwizzleType.SWIZZLE_32_4_4
+            if self.kind == MXFP8:
+                scale_a, recipe_a = self.scale_a, scaling.BlockWise1x32
+                scale_b, recipe_b = self.scale_b, scaling.BlockWise1x32
+            else:
+                scale_a, scale_b = [self.scale_a, self.tensor_scale_a], [self.scale_b, self.tensor_scale_b]
+                recipe_a = recipe_b = [scaling.BlockWise1x16, scaling.TensorWise]
+            out = F.scaled_mm(self.mat_a, self.mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a=swizzle,
+                              swizzle_b=swizzle, bias=self.bias, output_dtype=self.out_dtype,
+                              use_fast_accum=self.use_fast_accum)
         else:
             recipe_a, recipe_b = _V2_RECIPES[self.kind]
             out = F.scaled_mm(self.mat_a, self.mat_b, self.scale_a, getattr(F.ScalingType, recipe_a), self.scale_b,
@@ -241,6 +301,7 @@ class ScaledMMCall:
 
         return replace(self, mat_a=meta(self.mat_a), mat_b=meta(self.mat_b), scale_a=meta(self.scale_a),
                        scale_b=meta(self.scale_b), bias=meta(self.bias),
+                       tensor_scale_a=meta(self.tensor_scale_a), tensor_scale_b=meta(self.tensor_scale_b),
                        finish=self.finish._replace(bias_after=meta(self.finish.bias_after)))
 
     @property
@@ -271,9 +332,12 @@ def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scal
     if kind is None:
         return Refusal(f"no scaled GEMM takes the tiling {operands.a_tile} x {operands.b_tile}")
     if kind not in rules.kinds:
-        return Refusal(f"{kind} scaling runs on sm90 only (cuBLASLt's block scale modes); this GPU is {target.name}")
+        why = _KIND_REFUSALS.get(kind, "is not taken by torch's scaled GEMM there")
+        return Refusal(f"{kind} scaling {why}; this GPU is {target.name}")
     if kind in BLOCKWISE:
         return _plan_blockwise(operands, kind, target)
+    if kind in MICROSCALED:
+        return _plan_microscaled(operands, kind, target)
     return _plan_tensorwise_or_rowwise(operands, kind, target)
 
 
@@ -348,6 +412,73 @@ def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -
                         _Finish(n, bias, operands.out_dtype), target)
 
 
+def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+    a, b = operands.a, operands.b
+    m, k, n = operands.shape
+    if not target.has_v2:
+        return Refusal(f"torch {target.torch_version[0]}.{target.torch_version[1]} has no "
+                       f"torch.nn.functional.scaled_mm: {kind} scaling needs torch >= 2.10")
+    if target.cuda_version < (12, 8):
+        return Refusal(f"{kind} scaling needs CUDA 12.8 or newer (cuBLASLt's block scale modes)")
+    if kind == MXFP8 and (a.dtype != E4M3 or b.dtype != E4M3):
+        return Refusal("torch's MX GEMM takes e4m3 operands only; this recipe casts gradients to e5m2 (format='hybrid'): "
+                       "use format='e4m3' (the default of scaling='mxfp8')")
+    k32, n16 = _round_up(k, 32), _round_up(n, 16)
+    block = 32 if kind == MXFP8 else 16
+    if kind == MXFP8:
+        mat_a = _packed(_padded(a, m, k32))
+        mat_b = _packed(_padded(b.t(), n16, k32)).t()
+    else:  # packed FP4: two elements per byte along K
+        mat_a = _packed(_padded_bytes(a, m, k32 // 2))
+        mat_b = _packed(_padded_bytes(b.t(), n16, k32 // 2)).t()
+    scale_a = swizzle_32_4_4(_row_scales(operands.a_scale_inv, operands.a_tile, m, k, block))
+    scale_b = swizzle_32_4_4(_row_scales(operands.b_scale_inv.t(), _transposed(operands.b_tile), n, k, block), rows=n16)
+    bias = operands.bias
+    mm_dtype = torch.float32 if bias is not None or operands.out_dtype not in _OUT_DTYPES else operands.out_dtype
+    call = ScaledMMCall(V2, kind, mat_a, mat_b, scale_a, scale_b, None, mm_dtype, False,
+                        _Finish(n, bias, operands.out_dtype), target)
+    if kind == NVFP4:
+        call.tensor_scale_a = operands.a_tensor_scale.to(torch.float32).reshape(())
+        call.tensor_scale_b = operands.b_tensor_scale.to(torch.float32).reshape(())
+    return call
+
+
+def _transposed(tile: Sequence[int]) -> Tuple[int, int]:
+    return int(tile[1]), int(tile[0])
+
+
+def _row_scales(scales: Tensor, tile: Sequence[int], rows: int, k: int, block: int) -> Tensor:
+    """An operand's block scales as one per (row, K block): (rows, ceil(K / block)). A tile of several rows (NVFP4's
+    16 x 16 weight blocks) is repeated over its rows, as the hardware reads one scale per row and block."""
+    tile_rows = int(tile[0]) if tile[0] else rows
+    if tile_rows > 1:
+        scales = scales.view(torch.uint8).repeat_interleave(tile_rows, dim=0)[:rows].view(scales.dtype)
+    return scales[:rows, : -(-k // block)]
+
+
+def swizzle_32_4_4(scales: Tensor, rows: Optional[int] = None) -> Tensor:
+    """cuBLASLt's block-scale layout (torch's SWIZZLE_32_4_4): the (R, C) scales zero-padded to (round_up(R, 128),
+    round_up(C, 4)) (or `rows` rows) and laid out as 128 x 4 tiles, row-major over the tiles, each tile stored as
+    32 x 16 with element (r, c) at (r % 32) * 16 + (r // 32) * 4 + c: a flat contiguous tensor of the scales' dtype
+    (cuBLAS documentation, "1D block scaling factors layout"; torch's `to_blocked` in its test utilities)."""
+    r, c = scales.shape
+    padded_rows = _round_up(max(rows or r, r), 128)
+    padded_cols = _round_up(c, 4)
+    raw = scales.contiguous().view(torch.uint8)
+    if (padded_rows, padded_cols) != (r, c):
+        raw = F.pad(raw, (0, padded_cols - c, 0, padded_rows - r))
+    tiles = raw.view(padded_rows // 128, 4, 32, padded_cols // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).contiguous().view(scales.dtype)
+
+
+def _padded_bytes(t: Tensor, rows: int, cols: int) -> Tensor:
+    """A 2-D packed FP4 tensor zero-padded to (rows, cols) bytes (byte 0 is two +0.0), row-major."""
+    pad_r, pad_c = rows - t.shape[0], cols - t.shape[1]
+    if not (pad_r or pad_c):
+        return t
+    return F.pad(t.contiguous().view(torch.uint8), (0, pad_c, 0, pad_r)).view(t.dtype)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -405,6 +536,8 @@ def check_call(call: ScaledMMCall) -> List[str]:
             problems.append(f"CUTLASS rowwise writing {call.out_dtype}")
         if call.out_dtype == torch.float16 and call.bias is None:
             problems.append("CUTLASS rowwise writing fp16 without a bias (its no-bias kernel writes bf16 bits)")
+    if call.kind in MICROSCALED:
+        problems.extend(_check_microscaled(call))
     if call.kind in BLOCKWISE:
         if call.api != V2:
             problems.append("blockwise through torch._scaled_mm (v1 mis-reads 128x128 scales)")
@@ -414,6 +547,36 @@ def check_call(call: ScaledMMCall) -> List[str]:
             problems.append("blockwise with fast accumulation")
         if m % 128 or k % 128 or n % 128:
             problems.append(f"blockwise on {m} x {k} x {n} (not multiples of 128)")
+    return problems
+
+
+def _check_microscaled(call: ScaledMMCall) -> List[str]:
+    problems: List[str] = []
+    a, b = call.mat_a, call.mat_b
+    k = a.shape[1] * (2 if a.dtype == FP4 else 1)
+    m, n = a.shape[0], b.shape[1]
+    blocks = -(-k // (32 if call.kind == MXFP8 else 16))
+    if call.api != V2:
+        problems.append(f"{call.kind} through torch._scaled_mm (v1) instead of torch.nn.functional.scaled_mm")
+    if call.use_fast_accum:
+        problems.append(f"{call.kind} with fast accumulation")
+    if k % 32 or n % 16:
+        problems.append(f"{call.kind} on K = {k}, N = {n} (K must be a multiple of 32, N of 16)")
+    want = E4M3 if call.kind == MXFP8 else FP4
+    scale_dtype = E8M0 if call.kind == MXFP8 else E4M3
+    if a.dtype != want or b.dtype != want:
+        problems.append(f"{call.kind} with {a.dtype} x {b.dtype} operands (needs {want})")
+    for name, scale, rows in (("scale_a", call.scale_a, m), ("scale_b", call.scale_b, n)):
+        expected = _round_up(rows, 128) * _round_up(blocks, 4)
+        if scale.dtype != scale_dtype or scale.numel() != expected or not scale.is_contiguous():
+            problems.append(f"{call.kind} {name}: {scale.dtype}, {scale.numel()} elements (needs {scale_dtype}, "
+                            f"{expected}, contiguous, swizzled)")
+    if call.kind == NVFP4:
+        for name, scale in (("a", call.tensor_scale_a), ("b", call.tensor_scale_b)):
+            if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
+                problems.append(f"nvfp4 tensor scale {name}: needs one float32 value")
+    if call.bias is not None:
+        problems.append(f"{call.kind} with a bias in the call (it is added after, in float32)")
     return problems
 
 
@@ -427,4 +590,5 @@ def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int
 __all__ = [
     "ARCH_RULES", "ArchRules", "GemmOperands", "Refusal", "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
     "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
+    "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4",
 ]

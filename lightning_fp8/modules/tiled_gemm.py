@@ -15,6 +15,12 @@ FP8EmulationWarning naming why:
   definition itself on CPU (exact semantics, slow), and a float32 dequantization on CUDA (each dequantized value
   rounded once more, docs/numerics.md).
 
+The microscaled GEMMs (MXFP8: E8M0 scales; NVFP4: packed FP4 operands, E4M3 block scales and a float32 tensor scale
+per operand, `a_tensor_scale` / `b_tensor_scale`) go through the same op; their definition is
+`numerics.microscaling.gemm_reference`. Their emulation dequantizes exactly as well: an MX value is an FP8 value
+times a power of two, an NVFP4 value an FP4 value (two significant bits) times an E4M3 scale (four), exact in BF16
+and in float32, and the tensor scales multiply the float32 accumulator before the one rounding, as cuBLASLt does.
+
 Registered as a custom op with a fake implementation, so `torch.compile` traces it as one node.
 """
 from __future__ import annotations
@@ -27,6 +33,7 @@ from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules import gemm
 from lightning_fp8.modules.gemm import cpu_has_native_bf16, fp8_bf16_image, run_gemm
 from lightning_fp8.modules.scaled_mm import GemmOperands
+from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.tiles import exact_in_bf16, tiled_gemm_reference, times_tiles
 
 Tensor = torch.Tensor
@@ -43,16 +50,20 @@ def fp8_gemm_tiled(
     bias: Optional[Tensor] = None,
     use_fast_accum: bool = False,
     backend: str = "auto",
+    a_tensor_scale: Optional[Tensor] = None,
+    b_tensor_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """out = dequant(a) @ dequant(b) + bias for FP8 a (M, K) with tiles `a_tile` = (rows, K block) and b (K, N)
     with tiles `b_tile` = (K block, cols), any layout; scales are per-tile dequant scales in grid layout
-    (`numerics.tiles.grid_shape`). No autograd formula: the layer's autograd function owns the gradients."""
+    (`numerics.tiles.grid_shape`): float32, or E8M0 (MXFP8), or E4M3 with the operands' float32 tensor scales
+    (NVFP4, packed FP4 operands: a (M, K/2), b (K/2, N)). No autograd formula: the layer's autograd function owns the
+    gradients."""
     if gemm._recorders:
         gemm.record(GemmOperands(a, a_scale_inv, _tile(a_tile), b, b_scale_inv, _tile(b_tile), out_dtype, bias,
-                                 use_fast_accum))
+                                 use_fast_accum, a_tensor_scale, b_tensor_scale))
     return torch.ops.lightning_fp8.fp8_gemm_tiled(
         a, a_scale_inv, [int(v) for v in a_tile], b, b_scale_inv, [int(v) for v in b_tile], out_dtype, bias,
-        use_fast_accum, backend,
+        use_fast_accum, backend, a_tensor_scale, b_tensor_scale,
     )
 
 
@@ -68,9 +79,11 @@ def _fp8_gemm_tiled_op(
     bias: Optional[Tensor],
     use_fast_accum: bool,
     backend: str,
+    a_tensor_scale: Optional[Tensor] = None,
+    b_tensor_scale: Optional[Tensor] = None,
 ) -> Tensor:
     operands = GemmOperands(a, a_scale_inv, _tile(a_tile), b, b_scale_inv, _tile(b_tile), out_dtype, bias,
-                            use_fast_accum)
+                            use_fast_accum, a_tensor_scale, b_tensor_scale)
     return run_gemm(operands, backend, _emulate_tiled)
 
 
@@ -79,12 +92,15 @@ def _tile(tile: Sequence[int]) -> Tuple[int, int]:
 
 
 def _emulate_tiled(operands: GemmOperands) -> Tensor:
+    if operands.a.dtype == microscaling.E2M1.dtype or operands.a_scale_inv.dtype == microscaling.E8M0:
+        return emulated_microscaled_gemm(operands)
     return emulated_tiled_gemm(operands.a, operands.a_scale_inv, operands.a_tile, operands.b, operands.b_scale_inv,
                                operands.b_tile, operands.out_dtype, operands.bias)
 
 
 @_fp8_gemm_tiled_op.register_fake
-def _fp8_gemm_tiled_fake(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias, use_fast_accum, backend):
+def _fp8_gemm_tiled_fake(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias, use_fast_accum, backend,
+                         a_tensor_scale=None, b_tensor_scale=None):
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm_tiled expects 2-D operands")
     torch._check(a.shape[1] == b.shape[0], lambda: f"fp8_gemm_tiled: inner dimensions differ: {a.shape} @ {b.shape}")
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
@@ -125,4 +141,41 @@ def emulated_tiled_gemm(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtyp
     return out.to(out_dtype)
 
 
-__all__ = ["fp8_gemm_tiled", "emulated_tiled_gemm", "dequantized"]
+def emulated_microscaled_gemm(operands: GemmOperands, bf16: Optional[bool] = None) -> Tensor:
+    """An MXFP8 / NVFP4 GEMM without their tensor cores (module docstring): each operand's exact values times its
+    block scales, one GEMM with float32 accumulation, times the tensor scales (NVFP4), plus bias, rounded once. The
+    same as `numerics.microscaling.gemm_reference` up to summation order (where no dequantized value leaves BF16's
+    exponent range: MX scales within 2^+-100, which the layer's values never leave; otherwise the per-block
+    definition runs)."""
+    a, b = operands.a, operands.b
+    host = profile_of(a.device).host_checks_allowed
+    mx = a.dtype != microscaling.E2M1.dtype
+    if mx and host and not (exact_in_bf16(operands.a_scale_inv.float()) and exact_in_bf16(operands.b_scale_inv.float())):
+        return microscaling.gemm_reference(a, operands.a_scale_inv, operands.a_tile, b, operands.b_scale_inv,
+                                           operands.b_tile, operands.out_dtype, operands.bias)
+    if bf16 is None:
+        bf16 = cpu_has_native_bf16()
+    # NVFP4 multiplies the accumulator by its tensor scales before the one rounding: a float32 GEMM
+    dtype = torch.bfloat16 if (mx and host and bf16 and operands.out_dtype == torch.bfloat16) else torch.float32
+    a_values, b_values = _microscaled_values(a, 1, dtype), _microscaled_values(b, 0, dtype)
+    k = min(a_values.shape[1], b_values.shape[0])  # an odd K: the packed operands' zero padding, dropped
+    a_img = times_tiles(a_values[:, :k], operands.a_scale_inv.to(dtype), operands.a_tile)
+    b_img = times_tiles(b_values[:k, :], operands.b_scale_inv.to(dtype), operands.b_tile)
+    if mx and dtype == torch.bfloat16:  # the FP8 path's exact BF16 GEMM (bias added before the one rounding)
+        return torch.mm(a_img, b_img) if operands.bias is None else torch.addmm(
+            operands.bias.to(torch.bfloat16), a_img, b_img)
+    out = torch.mm(a_img, b_img).to(torch.float32)
+    if not mx:
+        out = out * microscaling._tensor_scale_product(operands.a_tensor_scale, operands.b_tensor_scale, out)
+    if operands.bias is not None:
+        out = out + operands.bias.to(torch.float32)
+    return out.to(operands.out_dtype)
+
+
+def _microscaled_values(x: Tensor, contraction_dim: int, dtype: torch.dtype) -> Tensor:
+    if x.dtype == microscaling.E2M1.dtype:
+        return microscaling.operand_values(x, contraction_dim).to(dtype)
+    return (fp8_bf16_image(x) if x.device.type == "cpu" else x).to(dtype)
+
+
+__all__ = ["fp8_gemm_tiled", "emulated_tiled_gemm", "emulated_microscaled_gemm", "dequantized"]

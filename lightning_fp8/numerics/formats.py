@@ -1,4 +1,4 @@
-"""The two FP8 formats, as facts read off torch's own float8 dtypes.
+"""The FP8 formats (and NVFP4's FP4 element format), as facts read off torch's own low-precision dtypes.
 
 Everything else (clamping, scale computation, stochastic rounding) asks these objects for ranges instead of
 hard-coding 448 or 57344, so a third format would be one more constant here.
@@ -23,6 +23,8 @@ class FP8Format:
     has_inf: bool
     # uint8 bit pattern (sign bit cleared) of the largest finite magnitude; stochastic rounding walks these codes
     max_code: int
+    #: bits per element (FP4's torch dtype packs two elements per byte: `float4_e2m1fn_x2`)
+    bits: int = 8
 
     def __repr__(self) -> str:  # keeps recipe reprs readable
         return f"FP8Format({self.name})"
@@ -50,7 +52,22 @@ E5M2 = FP8Format(
     max_code=0x7B,
 )
 
-FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+#: FP4 E2M1, the element format of NVFP4 (numerics/microscaling.py): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf,
+#: no NaN. torch stores it two per byte (`torch.float4_e2m1fn_x2`, first element in the low nibble) and cannot cast
+#: to it on CPU, so microscaling.py rounds to its codes itself.
+E2M1 = FP8Format(
+    name="e2m1",
+    dtype=torch.float4_e2m1fn_x2,
+    max=6.0,
+    smallest_normal=1.0,
+    smallest_subnormal=0.5,
+    mantissa_bits=1,
+    has_inf=False,
+    max_code=0x7,
+    bits=4,
+)
+
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "e2m1": E2M1}
 
 
 def get_format(name: str) -> FP8Format:
@@ -58,4 +75,4 @@ def get_format(name: str) -> FP8Format:
     try:
         return FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown FP8 format {name!r}; valid formats: {sorted(FORMATS)}") from None
+        raise ValueError(f"unknown low-precision format {name!r}; valid formats: {sorted(FORMATS)}") from None

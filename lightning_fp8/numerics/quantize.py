@@ -53,6 +53,9 @@ def quantize(
     """
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding {rounding!r}; valid choices: {list(ROUNDING_MODES)}")
+    if fmt.bits != 8:
+        raise ValueError(f"quantize casts to the FP8 formats; {fmt.name} elements are cast by "
+                         "lightning_fp8.numerics.microscaling (quantize_nvfp4, fp4_codes)")
     y = saturate(x.to(torch.float32) * scale, fmt)
     if rounding == "nearest":
         return y.to(fmt.dtype)

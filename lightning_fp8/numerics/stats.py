@@ -150,7 +150,7 @@ def quantization_stats(
         scale = scale.reshape(-1)[idx] if idx is not None else scale.reshape(-1)
     else:
         xs = sample_elements(x, sample_size, generator).to(torch.float32)
-    roundtrip = dequantize(quantize(xs, scale, fmt, rounding=rounding, generator=generator), scale.reciprocal())
+    roundtrip = _round_trip(xs, scale, fmt, rounding, generator)
     finite = torch.isfinite(xs)
     nonzero_mask = finite & (xs != 0)
     flushed = nonzero_mask & (roundtrip == 0)
@@ -167,6 +167,17 @@ def quantization_stats(
         signal=(xs_f.to(torch.float64) ** 2).sum(),
         noise=(err.to(torch.float64) ** 2).sum(),
     )
+
+
+def _round_trip(xs: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rounding: str, generator) -> torch.Tensor:
+    """dequantize(quantize(xs)): the cast FP8Linear makes, back in float32; FP4 (NVFP4's elements) through its codes."""
+    if fmt.bits == 4:
+        from lightning_fp8.numerics.microscaling import fp4_codes, fp4_values
+
+        noise = torch.rand(xs.shape, generator=generator, device=xs.device) if rounding == "stochastic" else None
+        scaled = torch.clamp(xs * scale, -fmt.max, fmt.max)
+        return fp4_values(fp4_codes(scaled, noise)) / scale
+    return dequantize(quantize(xs, scale, fmt, rounding=rounding, generator=generator), scale.reciprocal())
 
 
 __all__ = [

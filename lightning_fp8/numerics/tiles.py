@@ -21,7 +21,10 @@ column, which the GEMM applies to that block's partial sum (`tiled_gemm_referenc
     dW = dy^T x   dy^T: row tiles (1, t)         x^T: row tiles (1, t) (per input channel over t tokens)
 
 with t = block_size for "blockwise" (DeepSeek-V3: 1x128 activation and gradient tiles, 128x128 weight blocks, the
-transposed tiling where backward contracts the other axis) and t = the whole row for "rowwise".
+transposed tiling where backward contracts the other axis) and t = the whole row for "rowwise". The microscaling
+recipes ("mxfp8": 1 x 32 tiles for every operand, the weight cast along each of its axes; "nvfp4": 1 x 16 tiles, 16 x 16
+weight blocks) have their scale rules in `microscaling.py`: E8M0 and two-level E4M3 + float32 scales, not this
+module's float32 ones.
 """
 from __future__ import annotations
 
@@ -149,7 +152,14 @@ def operand_tiles(scaling: str, block_size: int, role: str) -> Tuple[Tile, Tile]
         if role == "weight":
             return (t, t), (t, t)
         return (1, t), (1, t)
-    raise ValueError(f"no tiles for scaling {scaling!r}; fine-grained scalings: ['rowwise', 'blockwise']")
+    if scaling == "mxfp8":  # 1 x 32 along the contraction dimension of every operand of every GEMM
+        return (1, 32), (1, 32)
+    if scaling == "nvfp4":  # 1 x 16, and 16 x 16 weight blocks (W and W^T then quantize alike)
+        if role == "weight":
+            return (16, 16), (16, 16)
+        return (1, 16), (1, 16)
+    raise ValueError(f"no tiles for scaling {scaling!r}; fine-grained scalings: ['rowwise', 'blockwise', 'mxfp8', "
+                     "'nvfp4']")
 
 
 def transposed(tile: Sequence[int]) -> Tile:

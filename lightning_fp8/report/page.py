@@ -122,14 +122,14 @@ def _events(history: RunHistory, names: Dict[str, str], x_range) -> List[str]:
 def _precision_map(history: RunHistory, names: Dict[str, str], moved) -> List[str]:
     if not history.precision_map:
         return ["<p class='note'>No precision map recorded.</p>"]
-    out = ["<table class='precision-map'><tr><th>layer</th><th>precision</th><th>scaling</th><th>why</th></tr>"]
+    out = ["<table class='precision-map'><tr><th>layer</th><th>precision</th><th>recipe</th><th>why</th></tr>"]
     for row in history.precision_map:
         fqn, prec = row.get("fqn", ""), row.get("precision", "")
         cls = "fp8" if prec == "fp8" else ("moved" if fqn in moved else "bf16")
         label = prec.upper() + (" (fallback)" if fqn in moved and prec != "fp8" else "")
         since = history.fallback_step(fqn) if prec != "fp8" and fqn in moved else None
         reason = row.get("reason", "") + (f" (since step {since})" if since is not None else "")
-        scaling = row.get("scaling", "") if prec == "fp8" else ""
+        scaling = (row.get("recipe") or row.get("scaling", "")) if prec == "fp8" else ""  # the recipe, in short
         out.append(f"<tr><td>{_name(fqn, names)}</td><td><span class='badge {cls}'>{escape(label)}</span></td>"
                    f"<td class='scaling'>{escape(str(scaling))}</td><td>{escape(reason)}</td></tr>")
     out.append("</table>")
