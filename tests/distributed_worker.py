@@ -101,7 +101,8 @@ class GPTModule(L.LightningModule):
 def trainer(strategy, plugin, max_steps, callbacks=()):
     return L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=max_steps, logger=False,
-        enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
+        # only a scenario's own ModelCheckpoint (a default one would write into the working directory)
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=list(callbacks), enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, gradient_clip_val=1.0, num_sanity_val_steps=0,
     )
 
