@@ -42,7 +42,7 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
                     reason="needs triton and no GPU; runs the interp_ tests of this file")
 def test_interpreter_part():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1]

@@ -449,7 +449,7 @@ def test_interpreter_suite():
     env = dict(os.environ, TRITON_INTERPRET="1")
     files = [__file__, os.path.join(os.path.dirname(__file__), "test_optim.py")]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "interp_"],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *files, "-k", "interp_"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

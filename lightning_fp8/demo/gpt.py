@@ -45,13 +45,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: the transformer block (demo/parallel_gpt.py's variant lays it out for tensor parallelism)
+    block_class: type = Block
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         padded_vocab = 16 * math.ceil(cfg.vocab_size / 16)
         self.tok_emb = nn.Embedding(padded_vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, padded_vocab, bias=False)
         self.apply(self._init)

@@ -12,13 +12,12 @@ initialisation rule, same loss; unparallelized it is an ordinary model.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.demo.gpt import GPTConfig
+from lightning_fp8.demo.gpt import GPT, GPTConfig
 
 
 class Attention(nn.Module):
@@ -61,36 +60,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class ParallelGPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        padded_vocab = 16 * math.ceil(cfg.vocab_size / 16)
-        self.tok_emb = nn.Embedding(padded_vocab, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, padded_vocab, bias=False)
-        self.apply(self._init)
+class ParallelGPT(GPT):
+    """demo/gpt.py's GPT (embeddings, head, initialisation, loss) with the blocks above."""
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return logits[..., : self.cfg.vocab_size]
-
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    block_class = Block
 
 
 def tensor_parallel_plan(model: ParallelGPT, *, fp8_styles: bool = True, sequence_parallel: bool = True) -> dict:
