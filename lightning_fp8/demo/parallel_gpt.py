@@ -12,7 +12,6 @@ initialisation rule, same loss; unparallelized it is an ordinary model.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
