@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -30,11 +29,13 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from parallel_training import (  # noqa: E402
+    CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, rank, schedule,
+)
 from torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, FP8Recipe, convert_to_fp8, fp8_state_dict  # noqa: E402
 from lightning_fp8.conversion.summary import conversion_summary  # noqa: E402
-from lightning_fp8.demo.gpt import GPTConfig  # noqa: E402
 from lightning_fp8.demo.parallel_gpt import ParallelGPT, parallelize_gpt  # noqa: E402
 from lightning_fp8.distributed import CommBytes  # noqa: E402
 from lightning_fp8.engine.engine import FP8TrainingEngine  # noqa: E402
@@ -42,14 +43,8 @@ from lightning_fp8.modules.autocast import fp8_autocast  # noqa: E402
 
 OUT = sys.argv[1]
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-CFG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
-STEPS = 6  # both faults (steps 1 and 3) and two clean steps after them
-SKIP_STEP = 3  # rank 1's gradients are inf at this step: every rank must skip it
-ROLLBACK_STEP = 1  # rank 0's loss is NaN at this step: every rank must roll back
 
 
-def rank() -> int:
-    return dist.get_rank()
 
 
 def batch(step: int, dp_rank: int = 0, batch_size: int = 4):
@@ -59,29 +54,12 @@ def batch(step: int, dp_rank: int = 0, batch_size: int = 4):
     return ids[:, :-1], ids[:, 1:]
 
 
-def nan_loss_on_rank_0(loss: torch.Tensor, step: int) -> torch.Tensor:
-    """Rank 0's loss NaN at ROLLBACK_STEP, the NaN a constant added after the forward: its gradients stay finite, so
-    nothing non-finite reaches another rank through a collective (as a NaN in the forward would, through the
-    sequence-parallel gathers); the other ranks roll back only if the engine agrees its flags across ranks."""
-    return loss + float("nan") if step == ROLLBACK_STEP and rank() == 0 else loss
 
 
-def inf_gradient_on_rank_1(model: nn.Module, step: int) -> None:
-    """Rank 1's gradient of the head's weight gets an inf at SKIP_STEP, after the backward: the head is replicated
-    across the tensor-parallel group (FSDP2 x TP: sharded over the data-parallel dimension, its reduce-scatter
-    done), so no collective carries it to another rank; they skip only if the engine agrees its flags across ranks."""
-    if step == SKIP_STEP and rank() == 1:
-        grad = model.head.weight.grad
-        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
 
 
-def schedule(step: int) -> float:
-    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / STEPS)))
 
 
-def full_weights(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).float()
-                      for p in model.parameters()])
 
 
 def events(engine) -> dict:
