@@ -110,7 +110,8 @@ class FP8Gemms(torch.autograd.Function):
         if ctx.observer is not None:
             ctx.observer("grad_output", g)
         quantized_wgrad = needs_wgrad and not cfg.hp_wgrad
-        g_fp8, g_t, g_scale_inv = cast_gradient(g, history, cfg, write_t=quantized_wgrad and kernels.materializes_transpose(g))
+        write_t = quantized_wgrad and kernels.materializes_transpose(g)
+        g_fp8, g_t, g_scale_inv = cast_gradient(g, history, cfg, write_t=write_t)
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)

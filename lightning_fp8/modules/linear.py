@@ -173,9 +173,10 @@ class FP8Layer(nn.Module):
 
     def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP8Recipe,
                     training: bool, observer) -> torch.Tensor:
-        """The casts and the three FP8 GEMMs of y = x W^T + b (`weight` from `fp8_weight()`, or its local shard under
-        tensor parallelism, as `bias`); training=True records amaxes and uses the recipe's scaling. Another FP8 layer class (a convolution) overrides it with its own GEMMs,
-        and the switch, calibration, scale close and observer above stay shared."""
+        """The casts and the three FP8 GEMMs of y = x W^T + b: `weight` is `fp8_weight()` and `bias` the layer's, or
+        their local shards under tensor parallelism; training=True records amaxes and uses the recipe's scaling. Another
+        FP8 layer class (a convolution) overrides it with its own GEMMs; the switch, calibration, scale close and
+        observer above stay shared."""
         if observer is not None:
             observer("input", observed_weight(x))
             observer("weight", observed_weight(weight))
