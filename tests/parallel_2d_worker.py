@@ -9,14 +9,9 @@ reading its own batches. Each scenario writes OUT_DIR/<scenario>.rank<r>.pt (or 
 """
 import os
 import sys
-import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch import nn
 
 warnings.filterwarnings("ignore")
@@ -28,7 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from parallel_training import (  # noqa: E402
-    CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, rank, schedule,
+    CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, run_scenarios, schedule,
 )
 from torchrun_launch import launch_forked  # noqa: E402
 
@@ -36,7 +31,6 @@ from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from lightning_fp8.demo.parallel_gpt import ParallelGPT, parallelize_gpt  # noqa: E402
 
 OUT = sys.argv[1]
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 CKPT_STEP = 4  # the checkpoint after both faults (parallel_training.py); two steps resumed
 
 
@@ -188,26 +182,7 @@ SCENARIOS = {"lightning_2d": lightning_2d, "fabric_2d": fabric_2d}
 
 
 def main() -> None:
-    names = sys.argv[2:] or list(SCENARIOS)
-    # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
-    # for the mesh's subgroups too (new_group takes the default timeout)
-    distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    try:
-        for name in names:
-            prefix = os.path.join(OUT, f"{name}.rank{rank()}")
-            start = time.perf_counter()
-            try:
-                torch.save(SCENARIOS[name](), prefix + ".pt")
-            except Exception:  # noqa: BLE001 - reported to the test through the error file
-                with open(prefix + ".error", "w") as f:
-                    f.write(traceback.format_exc())
-            if rank() == 0:
-                print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            dist.barrier()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    run_scenarios(SCENARIOS, OUT)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,16 @@ across ranks."""
 from __future__ import annotations
 
 import math
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -17,6 +24,7 @@ CFG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
 STEPS = 6  # both faults (steps 1 and 3) and two clean steps after them
 SKIP_STEP = 3  # rank 1's gradients are inf at this step: every rank must skip it
 ROLLBACK_STEP = 1  # rank 0's loss is NaN at this step: every rank must roll back
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 def rank() -> int:
@@ -43,3 +51,28 @@ def schedule(step: int) -> float:
 def full_weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).float()
                       for p in model.parameters()])
+
+
+def run_scenarios(scenarios: Dict[str, Callable[[], dict]], out: str) -> None:
+    """Each rank's body: the scenarios named on the command line (all by default), each result saved to
+    OUT/<scenario>.rank<r>.pt, a scenario's traceback to .error for the test to show."""
+    names = sys.argv[2:] or list(scenarios)
+    # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
+    # for the mesh's subgroups too (new_group takes the default timeout)
+    distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        for name in names:
+            prefix = os.path.join(out, f"{name}.rank{rank()}")
+            start = time.perf_counter()
+            try:
+                torch.save(scenarios[name](), prefix + ".pt")
+            except Exception:  # noqa: BLE001 - reported to the test through the error file
+                with open(prefix + ".error", "w") as f:
+                    f.write(traceback.format_exc())
+            if rank() == 0:
+                print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

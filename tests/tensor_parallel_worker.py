@@ -10,16 +10,11 @@ tiny. Every rank of the group reads the same batch (tensor parallelism splits th
 """
 import copy
 import math
-import os
 import sys
-import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch import nn
 
 warnings.filterwarnings("ignore")
@@ -30,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from parallel_training import (  # noqa: E402
-    CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, rank, schedule,
+    CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, rank, run_scenarios, schedule,
 )
 from torchrun_launch import launch_forked  # noqa: E402
 
@@ -42,7 +37,6 @@ from lightning_fp8.engine.engine import FP8TrainingEngine  # noqa: E402
 from lightning_fp8.modules.autocast import fp8_autocast  # noqa: E402
 
 OUT = sys.argv[1]
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 
@@ -487,26 +481,7 @@ SCENARIOS = {
 
 
 def main() -> None:
-    names = sys.argv[2:] or list(SCENARIOS)
-    # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
-    # for the mesh's subgroups too (new_group takes the default timeout)
-    distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    try:
-        for name in names:
-            prefix = os.path.join(OUT, f"{name}.rank{rank()}")
-            start = time.perf_counter()
-            try:
-                torch.save(SCENARIOS[name](), prefix + ".pt")
-            except Exception:  # noqa: BLE001 - reported to the test through the error file
-                with open(prefix + ".error", "w") as f:
-                    f.write(traceback.format_exc())
-            if rank() == 0:
-                print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            dist.barrier()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    run_scenarios(SCENARIOS, OUT)
 
 
 if __name__ == "__main__":
