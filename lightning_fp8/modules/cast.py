@@ -70,10 +70,12 @@ def tiled_cast(
     record: bool,
     layouts: Tuple[bool, bool] = (True, True),
     generator: Optional[torch.Generator] = None,
+    pad_to: int = 1,
 ):
     """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_fp8, scale_inv), (x^T_fp8, scale_inv^T)), the
     layouts not asked for (`layouts` = (x, x^T)) as (None, None). One `lightning_fp8::tiled_cast` op; record=True
-    accumulates x's amax into the role's open history slot (the scales never depend on it)."""
+    accumulates x's amax into the role's open history slot (the scales never depend on it); x^T's columns padded to a
+    multiple of `pad_to` (zeros)."""
     tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
     noise = None
     if recipe.rounding_for(role) == "stochastic":
@@ -81,6 +83,7 @@ def tiled_cast(
     return kernels.tiled_cast(
         x, meta.amax_history, ROLE_INDEX[role], recipe.format_for(role), tile if layouts[0] else (),
         tile_t if layouts[1] else (), recipe.margin, recipe.power_of_2_scales, record=record, noise=noise,
+        pad_to=pad_to,
     )
 
 

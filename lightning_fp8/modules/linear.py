@@ -20,7 +20,7 @@ from lightning_fp8.modules.cast import scaled_cast, tiled_cast
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
 from lightning_fp8.modules.precast import PrecastFP8Weight, observed_weight, resolve_precast
-from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
+from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms, token_padding
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -150,9 +150,11 @@ class FP8Layer(nn.Module):
         needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
         if recipe.fine_grained:
             # one op per tensor: x in both layouts (x^T only when a weight gradient will be computed), W in its own
-            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad))
+            pad_to = token_padding(recipe, x2d)
+            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, needs_wgrad),
+                                         pad_to=pad_to)
             w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
-            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
+            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training, pad_to)
             out = apply_fp8_tiled_gemms(x2d, weight, self.bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and kernels.materializes_transpose(x2d)

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.kernels.tiled_ops import tiled_cast
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
@@ -41,9 +42,10 @@ class TiledGemmConfig(NamedTuple):
     record: bool
     fast_accum: bool
     backend: str
+    pad_to: int  # x^T's and dy^T's token columns padded to a multiple of it (`token_padding`)
 
     @staticmethod
-    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool) -> "TiledGemmConfig":
+    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool, pad_to: int = 1) -> "TiledGemmConfig":
         x_tile, x_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "input")
         w_tile, w_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "weight")
         g_tile, g_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "grad_output")
@@ -63,7 +65,18 @@ class TiledGemmConfig(NamedTuple):
             record=record,
             fast_accum=recipe.fast_accum_forward,
             backend=recipe.backend,
+            pad_to=pad_to,
         )
+
+
+def token_padding(recipe: FP8Recipe, x: torch.Tensor) -> int:
+    """The multiple the token columns of x^T and dy^T are padded to: where the GPU's scaled GEMM runs (the CUDA
+    paths), the weight-gradient GEMM contracts the tokens, which blockwise scaling takes in whole blocks and torch's
+    scaled GEMM in multiples of 16; padding them in the cast costs no copy (kernels/tiled_ops.py). 1 elsewhere: the
+    emulation takes any shape."""
+    if not profile_of(x.device).is_cuda:
+        return 1
+    return int(recipe.block_size) if recipe.scaling == "blockwise" else 16
 
 
 class FP8TiledGemms(torch.autograd.Function):
@@ -103,6 +116,7 @@ class FP8TiledGemms(torch.autograd.Function):
         (g_fp8, g_scale_inv), (gt_fp8, gt_scale_inv) = tiled_cast(
             g, ctx.history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.g_tile if needs_dgrad else (),
             cfg.g_tile_t if needs_wgrad else (), cfg.margin, cfg.power_of_2, record=cfg.record, noise=noise,
+            pad_to=cfg.pad_to,
         )
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
@@ -142,4 +156,4 @@ def apply_fp8_tiled_gemms(
                                history, observer, cfg)
 
 
-__all__ = ["FP8TiledGemms", "TiledGemmConfig", "apply_fp8_tiled_gemms"]
+__all__ = ["FP8TiledGemms", "TiledGemmConfig", "apply_fp8_tiled_gemms", "token_padding"]
