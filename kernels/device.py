@@ -112,9 +112,19 @@ def _cuda_profile(index: int) -> DeviceProfile:
     return DeviceProfile("cuda", tuple(torch.cuda.get_device_capability(index)))
 
 
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast disabled for `device`'s type: the kernels' float32 arithmetic stays float32 whatever region calls
+    them. Nothing for meta tensors (which have no autocast; a launch trace runs the implementations on them)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def runs_cuda_paths(x: torch.Tensor) -> bool:
     """Whether `x` takes the CUDA code paths: a CUDA tensor, or a CPU / meta tensor under `simulate_cuda`."""
     return profile_of(x.device).is_cuda
 
 
-__all__ = ["DeviceProfile", "FP8_CAPABILITY", "profile_of", "simulate_cuda", "simulated_profile", "runs_cuda_paths"]
+__all__ = ["DeviceProfile", "FP8_CAPABILITY", "profile_of", "simulate_cuda", "simulated_profile", "runs_cuda_paths",
+           "autocast_off"]

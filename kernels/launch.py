@@ -10,11 +10,15 @@ peer access a kernel on the wrong device's stream, unordered with the work that 
 interpreter) need nothing. Every `kernel[grid](...)` launch in the package sits inside `with device_guard(t):` for a
 tensor `t` it passes to the kernel; tests/test_kernels.py checks that with an AST scan of `kernels/` and
 `lightning_fp8/`. This module imports torch only, so the kernels' callers can use it without triton.
+
+`announce(kernel, reads, writes)` comes right before each launch: it tells the launch recorders of `trace.py` what the
+kernel reads and writes (the CUDA contract suite counts launches and the roofline model prices their bytes), and says
+whether to launch at all: not on meta tensors, which carry shapes only (a trace of a layer at LLaMA sizes).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import Callable, ContextManager, List, Optional, Sequence
 
 import torch
 
@@ -28,4 +32,20 @@ def device_guard(tensor: torch.Tensor) -> ContextManager:
     return contextlib.nullcontext()
 
 
-__all__ = ["device_guard"]
+#: the active launch recorders (kernels/trace.py): each gets (kernel name, tensors read, tensors written, bytes read)
+_observers: List[Callable[[str, Sequence[torch.Tensor], Sequence[torch.Tensor], Optional[int]], None]] = []
+
+
+def announce(kernel: str, reads: Sequence[Optional[torch.Tensor]], writes: Sequence[Optional[torch.Tensor]],
+             read_bytes: Optional[int] = None) -> bool:
+    """A Triton kernel named `kernel` is about to launch, reading `reads` and writing `writes` (None entries: unused
+    pointers); `read_bytes` overrides the bytes read where the kernel reads less than its tensors (a pass that exits
+    early). Returns whether to launch it: False where the tensors are meta (nothing to compute)."""
+    reads = [t for t in reads if t is not None]
+    writes = [t for t in writes if t is not None]
+    for observer in _observers:
+        observer(kernel, reads, writes, read_bytes)
+    return not any(t.device.type == "meta" for t in (*reads, *writes))
+
+
+__all__ = ["device_guard", "announce"]

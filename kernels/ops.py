@@ -41,6 +41,7 @@ from lightning_fp8.kernels import (
     triton_enabled_for,
     use_soft_cast,
 )
+from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics.formats import get_format
 
 SCALINGS = ("delayed", "current", "none")
@@ -64,7 +65,7 @@ def fp8_cast_op(
     write_t: bool,
     compute_amax: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
+    with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, compute_amax)
 
 
@@ -181,7 +182,7 @@ def scaled_cast_op(
     write_t: bool,
     record: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    with torch.autocast(x.device.type, enabled=False):  # the reference's float32 arithmetic stays float32
+    with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t,
                                  record)
 
@@ -287,7 +288,7 @@ def close_scaling_step_op(
         launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, delayed, algo_max, margin,
                           power_of_2, taken)
         return
-    with torch.autocast(history.device.type, enabled=False):
+    with autocast_off(history.device):
         reference.close_step_reference(
             history, overflow_count, clip_count, (fp8_max, scaled, delayed, algo_max, margin, power_of_2), taken
         )

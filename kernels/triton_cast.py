@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import device_guard
+from lightning_fp8.kernels.launch import announce, device_guard
 from lightning_fp8.numerics.formats import FP8Format
 
 ROUND_NEAREST = 0
@@ -318,7 +318,10 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     dummy = x  # never dereferenced where a pointer is unused (constexpr-disabled branch)
     hist_len = hist.numel() if hist is not None else 1
+    reads_x = skip_if is None and not skip_if_history
     with device_guard(x):
+        if not announce("cast", [x if reads_x else None, noise, hist, scale], [out, out_t, amax_bits, scale_out]):
+            return
         _cast_kernel[grid](
             x,
             scale if scale is not None else dummy,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import device_guard
+from lightning_fp8.kernels.launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _next_pow2, _scale_from_amax_rt
 
 
@@ -55,6 +55,8 @@ def launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, dela
     assert history.dim() == 2 and history.is_contiguous()
     n_roles, length = history.shape
     with device_guard(history):
+        if not announce("close_step", [history], [history, overflow_count, clip_count]):
+            return
         _close_step_kernel[(n_roles,)](
             history, overflow_count, clip_count, fp8_max, scaled.to(torch.int8), delayed.to(torch.int8),
             algo_max.to(torch.int8), margin.to(torch.float32), power_of_2.to(torch.int8),

@@ -93,6 +93,9 @@ def _cast_cases():
         for tiles in (((1, 0), (1, 0)), ((1, 128), (1, 128)), ((128, 128), (128, 128)), ((1, 32), ())):
             yield (f"tiled_cast-{tiles}-{layout}", torch.ops.lightning_fp8.tiled_cast.default,
                    (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True))
+        for tiles, pad_to in ((((1, 128), (1, 128)), 128), (((1, 0), (1, 0)), 16)):  # x^T's tokens padded
+            yield (f"tiled_cast-{tiles}-pad{pad_to}-{layout}", torch.ops.lightning_fp8.tiled_cast.default,
+                   (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True, pad_to))
         # microscaling: MX both layouts; NVFP4 with stochastic rounding and the Hadamard transform of x^T (40 tokens
         # padded to 48 by the transform: x^T's shape differs from x's), and 16 x 16 weight blocks
         yield (f"microscaled_cast-mxfp8-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
@@ -130,8 +133,15 @@ def test_cast_ops_match_their_fake_impls(case, path):
         _opcheck(op, args, CAST_UTILS)
 
 
+#: the fused fine-grained casts on the Triton path: each kernel family once (opcheck calls an op many times, and the
+#: interpreter is slow), a transposed input and both paddings among them
+TRITON_TILED_CASES = ["tiled_cast-((1, 128), (1, 128))-pad128-row", "tiled_cast-((1, 0), (1, 0))-pad16-t",
+                      "tiled_cast-((128, 128), (128, 128))-row", "tiled_cast-((1, 32), ())-row"]
+
+
 @interp
-@pytest.mark.parametrize("case", [c for c in CAST_CASES if not c.startswith(("tiled_cast", "microscaled_cast"))])
+@pytest.mark.parametrize("case", [c for c in CAST_CASES if not c.startswith(("tiled_cast", "microscaled_cast"))]
+                         + TRITON_TILED_CASES)
 def test_interp_cast_ops_match_their_fake_impls_on_the_triton_path(case):
     op, args = CAST_CASES[case]
     from lightning_fp8 import kernels
@@ -209,7 +219,10 @@ def expected_native(arch, ops):
     if kind == NVFP4:  # FP4 tensor cores: sm100 here (sm120's path through torch 2.13 is not established)
         return arch == "sm100"
     assert kind in BLOCKWISE, kind
-    return arch == "sm90" and m % 128 == 0 and k % 128 == 0 and n % 128 == 0 and ops.a.dtype == ops.b.dtype == E4
+    # the token count is free: the layer pads the weight-gradient GEMM's contraction (x^T's and dY^T's token columns)
+    # to whole 128-blocks in the cast; the 1x128 operands' scaled dimension must be a multiple of 4
+    shape_ok = k % 128 == 0 and m % 4 == 0 and (n % 128 == 0 if kind == BLOCKWISE[0] else n % 4 == 0)
+    return arch == "sm90" and shape_ok and ops.a.dtype == ops.b.dtype == E4
 
 
 def check_on_every_arch(records, scaling):
@@ -393,6 +406,28 @@ def test_conv_gemm_contract_on_meta(scaling):
             records = conv_gemms(scaling, case, device="meta", triton=triton)
             check_on_every_arch(records, scaling)
             assert_b_column_major(records)
+
+
+def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_sm90():
+    """Every GEMM of a blockwise e4m3 layer at 200 tokens is planned for sm90's blockwise scaled GEMM: the casts pad
+    the weight-gradient GEMM's contraction (the tokens) to whole 128-blocks with zeros, and the forward and dgrad GEMMs
+    take any token count (a multiple of 4). Before, all three were refused ("M, K and N multiples of 128") and ran
+    emulated, with only a one-time warning: most real token counts."""
+    recipe = FP8Recipe(scaling="blockwise", format="e4m3")
+    records = layer_gemms(recipe, (200, 256, 384), torch.bfloat16, True)
+    forward, dgrad, wgrad = records
+    assert forward.shape == (200, 256, 384) and dgrad.shape == (200, 384, 256)
+    assert wgrad.shape == (384, 256, 256)  # the contraction: 200 tokens padded to 256
+    assert torch.equal(wgrad.a.float()[:, 200:], torch.zeros(384, 56))  # padding: zeros
+    for ops in records:
+        call = plan_scaled_mm(ops, target_for((9, 0)))
+        assert isinstance(call, ScaledMMCall) and call.kind in BLOCKWISE, call
+        assert check_call(call) == []
+        call.on_meta().launch()
+    # and the casts wrote the scales where the GEMM reads them: no copy in the plan
+    fwd_call = plan_scaled_mm(forward, target_for((9, 0)))
+    assert fwd_call.scale_b.untyped_storage().data_ptr() == forward.b_scale_inv.untyped_storage().data_ptr()
+    assert fwd_call.scale_a.untyped_storage().data_ptr() == forward.a_scale_inv.untyped_storage().data_ptr()
 
 
 # -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------

@@ -18,6 +18,7 @@ Statistical tests use 6 standard deviations of the binomial / uniform estimate.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -616,6 +617,54 @@ def test_interp_scaled_cast_fused_matches_reference(triton_interp, name, monkeyp
     recipe = RECIPES[name]
     assert kernels.triton_enabled_for(torch.zeros(2, 2))  # the ops now run the interpreted kernel on CPU
     _assert_runs_equal(_run_casts(recipe, False, monkeypatch, steps=2), _run_casts(recipe, True, monkeypatch, steps=2))
+
+
+#: (x's tile, x^T's tile, rows): blockwise activations / gradients and weights, rowwise both layouts and x^T alone (the
+#: dgrad weight), a 1x32 block (other block sizes); rowwise on fewer rows (its kernels loop over whole rows and columns)
+#: (both formats on the first case; one is enough for the layouts)
+_TILED_CASES = {
+    "1x128-e4m3": ((1, 128), (1, 128), 130, E4M3), "1x128-e5m2": ((1, 128), (1, 128), 130, E5M2),
+    "128x128": ((128, 128), (128, 128), 130, E4M3), "rowwise": ((1, 0), (1, 0), 37, E4M3),
+    "rowwise_t_only": ((), (1, 0), 37, E4M3), "1x32_row_only": ((1, 32), (), 33, E4M3),
+}
+
+
+@interp
+@pytest.mark.parametrize("case", list(_TILED_CASES))
+def test_interp_fused_tiled_cast_is_the_reference_bit_for_bit(case):
+    """The fused fine-grained casts (kernels/triton_tiled.py, interpreted, exact integer rounding) against the torch
+    reference CUDA runs without triton: every FP8 code, ties, near-ties, subnormal halves and +-max in each tile
+    (tests/test_tiles.py's edge-value rows), an inf, a -inf and a NaN each in its own tile, ragged last tiles in both
+    dimensions, float32 and bf16 input, margins and non-power-of-two scales, the token padding of x^T: the same bytes,
+    the same scales in the same layout, the same open history slot."""
+    from test_tiles import every_code_tensor
+
+    from lightning_fp8.kernels.device import simulate_cuda
+    from lightning_fp8.kernels.trace import record_launches
+
+    tile, tile_t, rows, fmt = _TILED_CASES[case]
+    x = every_code_tensor(fmt, rows, 300)
+    x[1, 5], x[2, 140], x[rows - 3, 260] = math.inf, -math.inf, math.nan
+    for margin, power_of_2, dtype, pad_to in ((0, True, torch.float32, 128), (1, False, torch.bfloat16, 1)):
+        xx = x.to(dtype)
+        outs = []
+        for triton in (True, False):
+            history = torch.zeros(3, 4)
+            history[0, 0] = 0.25
+            with simulate_cuda((9, 0), triton=triton), record_launches() as launches:
+                got = kernels.tiled_cast(xx, history, 0, fmt, tile, tile_t, margin, power_of_2, pad_to=pad_to)
+            # the fused path is one Triton launch per cast (rowwise with both layouts: two), and nothing else
+            assert [launch.source for launch in launches] == (["triton"] * (1 + (case == "rowwise")) if triton
+                                                              else [launch.source for launch in launches])
+            outs.append((got, history))
+        (fused, h_fused), (ref, h_ref) = outs
+        for (q, s), (q_ref, s_ref) in zip(fused, ref):
+            assert (q is None) == (q_ref is None)
+            if q is None:
+                continue
+            assert_same_fp8(q, q_ref)
+            assert torch.equal(s, s_ref) and s.stride() == s_ref.stride()
+        assert math.isnan(h_fused[0, 0]) and torch.equal(h_fused.nan_to_num(), h_ref.nan_to_num())
 
 
 # unscaled casts ignore the history: one case of them is enough

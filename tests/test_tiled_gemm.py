@@ -128,10 +128,15 @@ def test_scaled_mm_kind():
     assert _kind(a8, (1, 32), b8, (32, 32)) is None  # GPU blockwise GEMMs take 128 only
     # kinds a target refuses, with the reason
     one = torch.tensor(1.0)
-    ops = GemmOperands(a8[:100], torch.ones(100, 3), (1, 128), b8, torch.ones(3, 1), (128, 128), torch.bfloat16, None,
-                       False)
-    refusal = plan_scaled_mm(ops, target_for((9, 0)))
-    assert isinstance(refusal, Refusal) and "multiples of 128" in refusal.reason  # M (tokens) = 100
+    def blockwise(m, k):
+        return GemmOperands(a8[:m, :k], torch.ones(m, -(-k // 128)), (1, 128), b8[:k], torch.ones(-(-k // 128), 1),
+                            (128, 128), torch.bfloat16, None, False)
+
+    # the token count (M) is free up to cuBLASLt's multiple of 4 for 1x128 scales (it was refused unless a multiple
+    # of 128: every blockwise layer at a token count like 100 ran emulated); the contraction must be whole blocks
+    assert isinstance(plan_scaled_mm(blockwise(100, 384), target_for((9, 0))), ScaledMMCall)
+    assert "multiple of 4" in plan_scaled_mm(blockwise(102, 384), target_for((9, 0))).reason
+    assert "K (the contraction)" in plan_scaled_mm(blockwise(100, 300), target_for((9, 0))).reason
     e5 = GemmOperands(a8.to(torch.float8_e5m2), one, (1, 0), b8.to(torch.float8_e5m2), one, (0, 1), torch.bfloat16,
                       None, False)
     assert "two e5m2" in plan_scaled_mm(e5, target_for((9, 0))).reason

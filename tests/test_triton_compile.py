@@ -201,7 +201,7 @@ def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", **group
 
 #: constexprs that carry a number (block sizes, history length, format constants) rather than choose code
 NUMERIC_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "BLOCK", "HIST_LEN", "HIST_BLOCK", "MARGIN_DIV", "FP8_MAX", "MANT", "BIAS",
-                      "MAX_CODE", "M_MAX", "V_MAX", "FLT_MAX"}
+                      "MAX_CODE", "M_MAX", "V_MAX", "FLT_MAX", "B", "BLOCK_R", "BLOCK_C"}
 
 
 def _features(variant: Variant) -> set:
@@ -221,6 +221,37 @@ def covering(variants: List[Variant]) -> List[Variant]:
         chosen.append(best)
         needed -= _features(best)
     return chosen
+
+
+def record_kernels(monkeypatch, module, kernel_names, run: Callable[[], Any]) -> List["Variant"]:
+    """The variants of several kernels of `module` that `run()` launches (each replaced by a recorder)."""
+    recorders = {name: _Recorder(getattr(module, name)) for name in kernel_names}
+    with monkeypatch.context() as m:
+        for name, recorder in recorders.items():
+            m.setattr(module, name, recorder)
+        run()
+    return [Variant.of(r.kernel, args, kwargs) for r in recorders.values() for args, kwargs in r.launches]
+
+
+def tiled_variants(monkeypatch) -> List["Variant"]:
+    """Every variant `launch_tiled_cast` emits: the block kernel (1xB / BxB tiles, each layout alone and both, token
+    padding) and the two rowwise kernels, both formats, the three input dtypes, power-of-two scales or not, recording
+    the amax or not."""
+    import itertools
+
+    from lightning_fp8.kernels import triton_tiled
+
+    def calls():
+        for dtype, fmt in itertools.product((torch.float32, torch.bfloat16, torch.float16), FORMATS):
+            x = torch.randn(200, 300).to(dtype)  # (nothing runs: the block size compiled is the one layers use)
+            for kind, (row, t), pow2, rec in itertools.product(
+                    (("1xB", 128), ("BxB", 128), ("rowwise", 0)), ((True, False), (False, True), (True, True)),
+                    (False, True), (False, True)):
+                hist = torch.zeros(1) if rec else None
+                triton_tiled.launch_tiled_cast(x, hist, fmt, kind, row, t, 1, pow2, 256 if t else 200, hw_cast=True)
+
+    return record_kernels(monkeypatch, triton_tiled, ("_block_cast_kernel", "_colwise_kernel", "_rowwise_cast_kernel"),
+                          calls)
 
 
 def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Variant]]:
@@ -271,7 +302,10 @@ def launcher_variants() -> Tuple[Tuple[Variant, int], ...]:
     architecture gets a share and each variant compiles once) and that architecture's choice of conversion."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         casts, closes, steps = _every_launch(monkeypatch)
+        tiled = tiled_variants(monkeypatch)
     chosen = covering(casts) + covering(closes) + covering(steps)
+    for name in ("_block_cast_kernel", "_colwise_kernel", "_rowwise_cast_kernel"):
+        chosen += covering([v for v in tiled if v.kernel.__name__ == name])
     assigned = []
     for i, variant in enumerate(chosen):
         arch = ARCHS[i % len(ARCHS)]
@@ -294,11 +328,12 @@ def test_every_launcher_variant_compiles(arch):
 
 def test_launcher_variants_cover_every_choice():
     with pytest.MonkeyPatch.context() as monkeypatch:
-        everything = [v for group in _every_launch(monkeypatch) for v in group]
+        everything = [v for group in _every_launch(monkeypatch) for v in group] + tiled_variants(monkeypatch)
     compiled = launcher_variants()
     assert set().union(*(_features(v) for v in everything)) == set().union(*(_features(v) for v, _ in compiled))
     assert {arch for _, arch in compiled} == set(ARCHS)
-    assert len(compiled) <= 20, len(compiled)  # keeps the suite fast
+    assert {v.kernel.__name__ for v, _ in compiled} >= {"_block_cast_kernel", "_colwise_kernel", "_rowwise_cast_kernel"}
+    assert len(compiled) <= 28, len(compiled)  # keeps the suite fast
 
 
 # -- selection: what each architecture runs compiles, with the conversion we rely on -----------------------------------

@@ -72,13 +72,15 @@ def tiled_cast(
     record: bool,
     layouts: Tuple[bool, bool] = (True, True),
     generator: Optional[torch.Generator] = None,
+    pad_to: int = 1,
 ):
     """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_q, scales, tensor scale), (x^T_q, scales^T, tensor
     scale^T)), the layouts not asked for (`layouts` = (x, x^T)) as (None, None, None); the tensor scale is None except
     for NVFP4. One op: `lightning_fp8::tiled_cast` (rowwise, blockwise: float32 dequant scales) or
     `lightning_fp8::microscaled_cast` (mxfp8, nvfp4); record=True accumulates x's amax into the role's open history
-    slot (the scales never depend on it)."""
-    return cast_tiles(x, meta.amax_history, ROLE_INDEX[role], recipe, role, record, layouts, generator)
+    slot (the scales never depend on it). x^T's columns (the tokens, where x is an activation) are zero-padded to a
+    multiple of `pad_to` (rowwise / blockwise; the microscaled GEMM pads its own operands)."""
+    return cast_tiles(x, meta.amax_history, ROLE_INDEX[role], recipe, role, record, layouts, generator, pad_to)
 
 
 def cast_tiles(
@@ -90,6 +92,7 @@ def cast_tiles(
     record: bool,
     layouts: Tuple[bool, bool] = (True, True),
     generator: Optional[torch.Generator] = None,
+    pad_to: int = 1,
 ):
     """`tiled_cast` on a history tensor (what the fine-grained autograd function calls in backward)."""
     tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
@@ -111,7 +114,7 @@ def cast_tiles(
     noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if stochastic else None
     (q, s), (q_t, s_t) = kernels.tiled_cast(
         x, history, role_index, recipe.format_for(role), tile, tile_t, recipe.margin, recipe.power_of_2_scales,
-        record=record, noise=noise,
+        record=record, noise=noise, pad_to=pad_to,
     )
     return (q, s, None), (q_t, s_t, None)
 

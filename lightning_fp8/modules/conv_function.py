@@ -49,7 +49,7 @@ from lightning_fp8.modules.conv_layout import (
 )
 from lightning_fp8.modules.function import GemmConfig, cast_gradient
 from lightning_fp8.modules.gemm import fp8_gemm, scaled_mm_supported
-from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
+from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms, token_padding
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.recipe import FP8Recipe
 
@@ -224,7 +224,8 @@ def fine_grained_conv(layer, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     groups = geometry.groups
     cols: Tuple[Tensor, ...] = Unfold.apply(x, geometry)
     needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
-    cfg = TiledGemmConfig.build(recipe, torch.float32, training)
+    pad_to = token_padding(recipe, cols[0])  # the weight-gradient GEMM contracts the N*Ho*Wo positions
+    cfg = TiledGemmConfig.build(recipe, torch.float32, training, pad_to)
     outs: List[Tensor] = []
     for g in range(groups):
         w_g = weight_matrix(weight, g, groups)  # differentiable: its gradient reaches the weight through the permute
@@ -232,7 +233,8 @@ def fine_grained_conv(layer, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
         if observer is not None:
             observer("input", cols[g])
             observer("weight", w_g)
-        x_cast, xt_cast = tiled_cast(cols[g], meta, recipe, "input", training, layouts=(True, needs_wgrad))
+        x_cast, xt_cast = tiled_cast(cols[g], meta, recipe, "input", training, layouts=(True, needs_wgrad),
+                                     pad_to=pad_to)
         w_cast, _ = tiled_cast(w_g, meta, recipe, "weight", training, layouts=(True, False))
         outs.append(apply_fp8_tiled_gemms(cols[g], w_g, b, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg))
     out = outs[0] if groups == 1 else torch.cat(outs, dim=1)

@@ -32,7 +32,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from lightning_fp8.kernels.device import DeviceProfile, profile_of
+from lightning_fp8.kernels.device import DeviceProfile, autocast_off, profile_of
 from lightning_fp8.modules.scaled_mm import GemmOperands, Refusal, ScaledMMCall, ScaledMMTarget, plan_scaled_mm
 
 Tensor = torch.Tensor
@@ -130,12 +130,13 @@ def run_gemm(operands: GemmOperands, backend: str, emulate: Callable[[GemmOperan
     if resolve_backend(backend, operands.a.device) == "scaled_mm":
         plan = plan_scaled_mm(operands, ScaledMMTarget.of(profile))
     # the ops inside must run in the dtypes written here, whatever autocast region the op is called from
-    with torch.autocast(operands.a.device.type, enabled=False):
+    with autocast_off(operands.a.device):
         if isinstance(plan, Refusal):
             if not plan.quiet:
                 warn_emulation(f"{plan.reason}; this GEMM is emulated (exact FP8 values, float32 accumulation): "
                                "numerics are FP8, speed is not.", key=("plan", profile.name, plan.reason))
-        elif isinstance(plan, ScaledMMCall) and (not profile.simulated or plan.runs_on_cpu):
+        elif isinstance(plan, ScaledMMCall) and (not profile.simulated or plan.runs_on_cpu
+                                                 or operands.a.device.type == "meta"):
             out = _launch(plan, operands, profile)
             if out is not None:
                 return out

@@ -27,7 +27,7 @@ from lightning_fp8.modules.precast import (
     resolve_precast,
 )
 from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
-from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms
+from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms, token_padding
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -187,9 +187,11 @@ class FP8Layer(nn.Module):
             # one op per tensor: x in both layouts (x^T only when a quantized weight gradient will be computed), W in
             # its own
             quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
-            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, quantized_wgrad))
+            pad_to = token_padding(recipe, x2d)
+            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, quantized_wgrad),
+                                         pad_to=pad_to)
             w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
-            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training)
+            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training, pad_to)
             out = apply_fp8_tiled_gemms(x2d, weight, bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and not recipe.high_precision_wgrad and kernels.materializes_transpose(x2d)

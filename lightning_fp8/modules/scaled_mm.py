@@ -26,7 +26,12 @@ docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
                dimension padded to a multiple of 4 (L4 = round_up(K/128, 4): shape (L4, N/128), strides (1, L4)); the
                v1 `torch._scaled_mm` accepts only the unpadded layout, which gives silent wrong answers where
                (K/128) % 4 != 0, so blockwise never goes through v1. 1x128 scales: mat_a's (M, K/128) with strides
-               (1, M), mat_b's (N, K/128) with strides (1, N). M, K and N multiples of 128 (other shapes are refused).
+               (1, M), mat_b's (N, K/128) with strides (1, N). K a multiple of 128 (the layers pad the tokens where a
+               GEMM contracts them: kernels/tiled_ops.py `pad_to`), N a multiple of 128 for a 128x128 mat_b; the
+               dimension of a 1x128 operand's scales (M, or N for a 1x128 mat_b) a multiple of 4: cuBLASLt reads those
+               scales with a leading dimension rounded up to 4 (Transformer Engine and vLLM pad it so), while torch
+               requires it to equal the dimension (other shapes are refused). Scales already in these layouts (the
+               fused casts write them so) are used as they are; others are copied into them.
   mxfp8        1x32 blocks along K of both operands with E8M0 scales (`torch.float8_e8m0fnu`), BlockWise1x32 through
                `torch.nn.functional.scaled_mm` (v2): Blackwell only (sm100 / sm103, sm120 / sm121: cuBLASLt's
                VEC32_UE8M0 scale mode, CUDA >= 12.8; sm89 / sm90 have no block-scaled tensor cores), both operands
@@ -389,19 +394,21 @@ def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -
     if a.dtype != E4M3 or b.dtype != E4M3:
         return Refusal("blockwise scaling takes e4m3 operands only; this recipe casts gradients to e5m2 "
                        "(use format='e4m3' with blockwise scaling)")
-    if m % 128 or k % 128 or n % 128:
-        return Refusal(f"blockwise scaling needs M, K and N multiples of 128; this GEMM is {m} x {k} x {n} "
-                       "(M is the token count in forward and dgrad, the contraction in wgrad)")
+    problem = _blockwise_shape_problem(kind, m, k, n)
+    if problem:
+        return Refusal(f"blockwise scaling on this GEMM ({m} x {k} x {n}): {problem}")
     mat_a = _packed(a)
     mat_b = _packed(b.t()).t()
     kb = k // 128
     scale_a = operands.a_scale_inv.to(torch.float32).t().contiguous().t()  # (M, K/128), strides (1, M)
     if kind == BLOCK_1x128_128x128:
         # (K/128, N/128) scales in a (L4, N/128) buffer with strides (1, L4): the K-block dimension padded to 4
-        l4 = _round_up(kb, 4)
-        buffer = torch.ones((n // 128, l4), dtype=torch.float32, device=a.device)
-        buffer[:, :kb].copy_(operands.b_scale_inv.to(torch.float32).t())
-        scale_b = buffer.t()
+        scale_b = _l4_padded_view(operands.b_scale_inv, kb, n // 128)
+        if scale_b is None:
+            l4 = _round_up(kb, 4)
+            buffer = torch.ones((n // 128, l4), dtype=torch.float32, device=a.device)
+            buffer[:, :kb].copy_(operands.b_scale_inv.to(torch.float32).t())
+            scale_b = buffer.t()
     else:
         scale_b = operands.b_scale_inv.to(torch.float32).contiguous().t()  # (N, K/128), strides (1, N)
     bias = operands.bias
@@ -479,6 +486,34 @@ def _padded_bytes(t: Tensor, rows: int, cols: int) -> Tensor:
     return F.pad(t.contiguous().view(torch.uint8), (0, pad_c, 0, pad_r)).view(t.dtype)
 
 
+def _blockwise_shape_problem(kind: str, m: int, k: int, n: int) -> Optional[str]:
+    """What about (M, K, N) the blockwise GEMM cannot take (module docstring), or None."""
+    if k % 128:
+        return "K (the contraction) must be a multiple of 128"
+    if kind == BLOCK_1x128_128x128 and n % 128:
+        return "N must be a multiple of 128 (the 128x128 blocks of the second operand)"
+    if m % 4:
+        return ("the first operand's rows must be a multiple of 4 (cuBLASLt reads 1x128 scales with a leading "
+                "dimension rounded up to 4; torch requires it to equal the rows)")
+    if kind == BLOCK_1x128_1x128 and n % 4:
+        return "the second operand's columns must be a multiple of 4 (its 1x128 scales, as the first operand's)"
+    return None
+
+
+def _l4_padded_view(scale: Tensor, kb: int, nb: int) -> Optional[Tensor]:
+    """`scale` ((K/128, N/128), float32) as the (L4, N/128) tensor with strides (1, L4) that cuBLASLt reads, without
+    a copy, where it already lies in such a buffer (the fused weight cast stores it so, padding included); None
+    otherwise."""
+    l4 = _round_up(kb, 4)
+    if (scale.dtype != torch.float32 or tuple(scale.shape) != (kb, nb) or scale.stride(0) != 1
+            or (nb > 1 and scale.stride(1) != l4)):
+        return None
+    needed = scale.storage_offset() + (nb - 1) * l4 + l4
+    if needed * scale.element_size() > scale.untyped_storage().nbytes():
+        return None
+    return scale.as_strided((l4, nb), (1, l4))
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -545,8 +580,13 @@ def check_call(call: ScaledMMCall) -> List[str]:
             problems.append("blockwise with an e5m2 operand")
         if call.use_fast_accum:
             problems.append("blockwise with fast accumulation")
-        if m % 128 or k % 128 or n % 128:
-            problems.append(f"blockwise on {m} x {k} x {n} (not multiples of 128)")
+        problem = _blockwise_shape_problem(call.kind, m, k, n)
+        if problem:
+            problems.append(f"blockwise on {m} x {k} x {n}: {problem}")
+        if call.kind == BLOCK_1x128_128x128 and (tuple(call.scale_b.shape) != (_round_up(k // 128, 4), n // 128)
+                                                 or (call.scale_b.stride()[0] != 1 and n // 128 > 1)):
+            problems.append(f"128x128 scales of shape {tuple(call.scale_b.shape)}, strides {call.scale_b.stride()}: "
+                            "cuBLASLt reads (L4, N/128) with strides (1, L4)")
     return problems
 
 

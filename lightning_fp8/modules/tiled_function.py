@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.cast import cast_tiles
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.gemm import high_precision_gemm
@@ -55,9 +56,10 @@ class TiledGemmConfig(NamedTuple):
     backend: str
     recipe: FP8Recipe  # how backward casts dy and W^T (cast.cast_tiles)
     hp_wgrad: bool  # weight_grad="high_precision"
+    pad_to: int  # x^T's and dy^T's token columns padded to a multiple of it (`token_padding`)
 
     @staticmethod
-    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool) -> "TiledGemmConfig":
+    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool, pad_to: int = 1) -> "TiledGemmConfig":
         x_tile, x_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "input")
         w_tile, w_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "weight")
         g_tile, g_tile_t = operand_tiles(recipe.scaling, recipe.block_size, "grad_output")
@@ -79,11 +81,22 @@ class TiledGemmConfig(NamedTuple):
             backend=recipe.backend,
             recipe=recipe,
             hp_wgrad=recipe.high_precision_wgrad,
+            pad_to=pad_to,
         )
 
 
 def _t(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.t() if t is not None and t.dim() == 2 else t
+
+
+def token_padding(recipe: FP8Recipe, x: torch.Tensor) -> int:
+    """The multiple the token columns of x^T and dy^T are padded to: where the GPU's scaled GEMM runs (the CUDA
+    paths), the weight-gradient GEMM contracts the tokens, which blockwise scaling takes in whole blocks and torch's
+    scaled GEMM in multiples of 16; padding them in the cast costs no copy (kernels/tiled_ops.py). 1 elsewhere: the
+    emulation takes any shape."""
+    if not profile_of(x.device).is_cuda or recipe.microscaled:  # the microscaled plan pads K itself (scaled_mm.py)
+        return 1
+    return int(recipe.block_size) if recipe.scaling == "blockwise" else 16
 
 
 class FP8TiledGemms(torch.autograd.Function):
@@ -123,7 +136,7 @@ class FP8TiledGemms(torch.autograd.Function):
         quantized_wgrad = needs_wgrad and not cfg.hp_wgrad
         (g_q, g_s, g_g), (gt_q, gt_s, gt_g) = cast_tiles(
             g, ctx.history, ROLE_INDEX["grad_output"], cfg.recipe, "grad_output", cfg.record,
-            layouts=(needs_dgrad, quantized_wgrad),
+            layouts=(needs_dgrad, quantized_wgrad), pad_to=cfg.pad_to,
         )
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
@@ -166,4 +179,4 @@ def apply_fp8_tiled_gemms(
     return FP8TiledGemms.apply(x2d, weight, bias, *x_cast, *xt_cast, *w_cast, history, observer, cfg)
 
 
-__all__ = ["FP8TiledGemms", "TiledGemmConfig", "apply_fp8_tiled_gemms"]
+__all__ = ["FP8TiledGemms", "TiledGemmConfig", "apply_fp8_tiled_gemms", "token_padding"]
