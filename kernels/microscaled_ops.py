@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.formats import E2M1, E4M3, get_format
 from lightning_fp8.numerics.tiles import grid_shape
@@ -67,7 +68,7 @@ def microscaled_cast_op(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if scaling not in SCALINGS:
         raise ValueError(f"microscaled_cast: unknown scaling {scaling!r}; valid: {list(SCALINGS)}")
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device):
         outputs = []
         amax = None
         for layout_tile, source, layout_noise in ((tile, x, noise), (tile_t, None, noise_t)):

@@ -161,19 +161,31 @@ def _scale_from_amax_rt(amax, fallback, fp8_max, margin_div, pow2):
 
 
 @triton.jit
+def _partials_max(partials_ptr, num_partials, PARTIALS_BLOCK: tl.constexpr):
+    """The amax bits of the pre-pass: the max of its programs' partial maxima (no zeroed buffer, no atomics)."""
+    offs = tl.arange(0, PARTIALS_BLOCK)
+    return tl.max(tl.load(partials_ptr + offs, mask=offs < num_partials, other=0), axis=0)
+
+
+@triton.jit
 def _derived_scale(
-    hist_ptr, cur_amax_bits_ptr,
+    hist_ptr, partials_ptr, num_partials,
     HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,
-    FP8_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, POW2: tl.constexpr,
+    FP8_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HAS_CUR: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr,
 ):
-    """`numerics.scaling.cast_scale`: SCALING 1 delayed, 2 current, 3 none (scale 1)."""
+    """`numerics.scaling.cast_scale`: SCALING 1 delayed, 2 current, 3 none (scale 1). The current amax comes from the
+    pre-pass's partial maxima (HAS_CUR), else it is 0: a delayed cast the engine knows to be sized by the history."""
     if SCALING == 3:
         return 1.0
     offs = tl.arange(0, HIST_BLOCK)
     h = tl.load(hist_ptr + offs, mask=offs < HIST_LEN, other=0.0)
     last = tl.sum(tl.where(offs == 1, h, 0.0), axis=0)
     previous = _scale_from_amax(last, 1.0, FP8_MAX, MARGIN_DIV, POW2)
-    cur = tl.load(cur_amax_bits_ptr).to(tl.float32, bitcast=True)
+    if HAS_CUR:
+        cur = _partials_max(partials_ptr, num_partials, PARTIALS_BLOCK).to(tl.float32, bitcast=True)
+    else:
+        cur = last * 0.0
     current = _scale_from_amax(cur, previous, FP8_MAX, MARGIN_DIV, POW2)
     if SCALING == 2:
         return current
@@ -185,10 +197,47 @@ def _derived_scale(
 
 
 @triton.jit
+def _history_ref(hist_ptr, HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, ALGO_MAX: tl.constexpr):
+    """`numerics.scaling.reference_amax` of the role's history row: what sizes a delayed scale (0: nothing yet)."""
+    hoffs = tl.arange(0, HIST_BLOCK)
+    h = tl.load(hist_ptr + hoffs, mask=hoffs < HIST_LEN, other=0.0)
+    if ALGO_MAX:
+        return tl.max(tl.where((hoffs >= 1) & (hoffs < HIST_LEN), h, 0.0), axis=0)
+    else:
+        return tl.sum(tl.where(hoffs == 1, h, 0.0), axis=0)
+
+
+@triton.jit
+def _amax_partials_kernel(
+    x_ptr, partials_ptr, hist_ptr, M, N, stride_xm, stride_xn,
+    SKIP_IF_HISTORY: tl.constexpr, HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, ALGO_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The scaled cast's pre-pass: each of a fixed number of programs (<= PARTIALS_BLOCK) takes every P-th tile and
+    writes the max |x| bits of its tiles to its own slot, which the cast kernel reduces; every slot is written, so
+    nothing needs zeroing first. With SKIP_IF_HISTORY (delayed scaling) it reads nothing once the history sizes the
+    scale."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    if SKIP_IF_HISTORY:
+        tiles = tl.where(_history_ref(hist_ptr, HIST_LEN, HIST_BLOCK, ALGO_MAX) > 0, 0, tiles)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for t in range(pid, tiles, num_programs):
+        rows = ((t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = ((t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+        acc = tl.maximum(acc, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.store(partials_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, noise_ptr, seed_ptr, skip_ptr,
-    hist_ptr, hist_bits_ptr, cur_amax_bits_ptr, scale_out_ptr, scale_inv_out_ptr,
-    M, N,
+    hist_ptr, hist_bits_ptr, partials_ptr, scale_out_ptr, scale_inv_out_ptr,
+    M, N, num_partials,
     stride_xm, stride_xn, stride_zm, stride_zn,
     FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr, HW_CAST: tl.constexpr,
@@ -196,8 +245,8 @@ def _cast_kernel(
     ROUNDING: tl.constexpr,
     SCALE_MODE: tl.constexpr, SKIP_IF_HISTORY: tl.constexpr, RECORD: tl.constexpr, RECORD_CUR: tl.constexpr,
     HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,
-    MARGIN_DIV: tl.constexpr, POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HAS_CUR: tl.constexpr, CHECK_SIZED: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -213,32 +262,34 @@ def _cast_kernel(
         rows_limit = tl.where(tl.load(skip_ptr) != 0, 0, M)
     if SKIP_IF_HISTORY:
         # the same, with the flag derived from the role's amax history: a reference amax sizes the scale
-        hoffs = tl.arange(0, HIST_BLOCK)
-        h = tl.load(hist_ptr + hoffs, mask=hoffs < HIST_LEN, other=0.0)
-        if ALGO_MAX:
-            ref = tl.max(tl.where((hoffs >= 1) & (hoffs < HIST_LEN), h, 0.0), axis=0)
-        else:
-            ref = tl.sum(tl.where(hoffs == 1, h, 0.0), axis=0)
-        rows_limit = tl.where(ref > 0, 0, M)
+        rows_limit = tl.where(_history_ref(hist_ptr, HIST_LEN, HIST_BLOCK, ALGO_MAX) > 0, 0, M)
     mask = (rows < rows_limit) & (cols < N)
     x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
 
-    if COMPUTE_AMAX:
+    if COMPUTE_AMAX or RECORD:
         # |x| as integer bit patterns: order-preserving for non-negative floats, NaN above inf
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         block_max = tl.max(tl.max(bits, axis=1), axis=0)
-        tl.atomic_max(amax_bits_ptr, block_max)
+        if COMPUTE_AMAX:
+            tl.atomic_max(amax_bits_ptr, block_max)
         if RECORD:
             # the history's open slot holds a non-negative float (or NaN): its bit pattern orders the same way
             tl.atomic_max(hist_bits_ptr, block_max)
     if RECORD_CUR:
         if pid == 0:  # the pre-pass measured this tensor's amax already (current scaling)
-            tl.atomic_max(hist_bits_ptr, tl.load(cur_amax_bits_ptr))
+            tl.atomic_max(hist_bits_ptr, _partials_max(partials_ptr, num_partials, PARTIALS_BLOCK))
+    if CHECK_SIZED:
+        # delayed scaling without a pre-pass (the engine read that the history sizes the scale): should the history
+        # not size it after all, the cast used scale 1; make that an overflow of the step (inf in the open slot),
+        # which skips it, rather than a silent saturation
+        if pid == 0:
+            if not (_history_ref(hist_ptr, HIST_LEN, HIST_BLOCK, ALGO_MAX) > 0):
+                tl.atomic_max(hist_bits_ptr, 0x7F800000)
 
     if WRITE_ROW or WRITE_T:
         if SCALE_MODE == 1:
-            scale = _derived_scale(hist_ptr, cur_amax_bits_ptr, HIST_LEN, HIST_BLOCK, SCALING, ALGO_MAX, FP8_MAX,
-                                   MARGIN_DIV, POW2)
+            scale = _derived_scale(hist_ptr, partials_ptr, num_partials, HIST_LEN, HIST_BLOCK, SCALING, ALGO_MAX,
+                                   FP8_MAX, MARGIN_DIV, POW2, HAS_CUR, PARTIALS_BLOCK)
             if pid == 0:
                 tl.store(scale_out_ptr, scale)
                 tl.store(scale_inv_out_ptr, tl.div_rn(scale * 0.0 + 1.0, scale))
@@ -302,9 +353,9 @@ def _blocks(m: int, n: int, transpose: bool):
 
 
 def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=None, seed=None, skip_if=None,
-            hist=None, cur_amax_bits=None, scale_out=None, scale_inv_out=None, hw_cast=True, compute_amax=False,
+            hist=None, partials=None, scale_out=None, scale_inv_out=None, hw_cast=True, compute_amax=False,
             scale_mode=0, skip_if_history=False, record=False, record_cur=False, scaling=1, algo_max=True,
-            margin=0, power_of_2=False):
+            margin=0, power_of_2=False, check_sized=False):
     m, n = x.shape
     if not (m and n):
         return
@@ -333,11 +384,12 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             skip_if.view(torch.uint8) if skip_if is not None else dummy,
             hist if hist is not None else dummy,
             hist.view(torch.int32) if hist is not None else dummy,
-            cur_amax_bits if cur_amax_bits is not None else dummy,
+            partials if partials is not None else dummy,
             scale_out if scale_out is not None else dummy,
             scale_inv_out if scale_inv_out is not None else dummy,
             m,
             n,
+            partials.numel() if partials is not None else 0,
             x.stride(0),
             x.stride(1),
             noise.stride(0) if noise is not None else 0,
@@ -360,9 +412,29 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             ALGO_MAX=algo_max,
             MARGIN_DIV=float(2.0**margin),
             POW2=power_of_2,
+            HAS_CUR=partials is not None,
+            CHECK_SIZED=check_sized,
+            PARTIALS_BLOCK=PARTIALS,
             BLOCK_M=bm,
             BLOCK_N=bn,
             num_warps=4,
+        )
+
+
+#: programs of the scaled cast's amax pre-pass (each writes one partial maximum; the cast kernel reduces them)
+PARTIALS = 256
+
+
+def _launch_partials(x, partials, hist, skip_if_history: bool, algo_max: bool) -> None:
+    m, n = x.shape
+    bm, bn = _blocks(m, n, False)
+    hist_len = hist.numel()
+    with device_guard(x):
+        if not announce("amax", [x if not skip_if_history else None], [partials]):
+            return
+        _amax_partials_kernel[(partials.numel(),)](
+            x, partials, hist, m, n, x.stride(0), x.stride(1), SKIP_IF_HISTORY=skip_if_history, HIST_LEN=hist_len,
+            HIST_BLOCK=_next_pow2(max(hist_len, 2)), ALGO_MAX=algo_max, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
         )
 
 
@@ -410,29 +482,36 @@ def launch_scaled_cast(
     noise: Optional[torch.Tensor] = None,
     seed: Optional[torch.Tensor] = None,
     hw_cast: bool = True,
+    history_sized: bool = False,
 ):
     """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
     contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`).
 
-    Launches: delayed scaling 2 (a pre-pass that exits at once when the history sizes the scale, then the cast),
-    current scaling 2 (amax pass, then the cast), no scaling 1. Returns (out uint8 [M,N], out_t uint8 [N,M] or None,
-    scale 0-d, scale_inv 0-d)."""
+    Launches: current scaling 2 (the amax pre-pass, then the cast); delayed scaling 2 (a pre-pass that reads
+    nothing once the history sizes the scale, then the cast), or 1 where the caller knows the history sizes it
+    (`history_sized`: the engine reads that once per iteration with its other flags; if the history does not size it
+    after all, the cast flags an overflow instead of saturating silently); no scaling 1. Nothing else: the outputs
+    are allocated, never filled (the kernels write every element). Returns (out uint8 [M,N], out_t uint8 [N,M] or
+    None, scale 0-d, scale_inv 0-d)."""
     assert x.dim() == 2 and hist.dim() == 1 and hist.is_contiguous()
     m, n = x.shape
     device = x.device
     code = _SCALING_CODES[scaling]
     out = torch.empty((m, n), dtype=torch.uint8, device=device)
     out_t = torch.empty((n, m), dtype=torch.uint8, device=device) if write_t else None
-    cur_bits = torch.zeros(1, dtype=torch.int32, device=device)
-    scale_out = torch.ones((), dtype=torch.float32, device=device)
-    scale_inv_out = torch.ones((), dtype=torch.float32, device=device)
+    if not (m and n):  # nothing to launch: the scale of an empty tensor is 1 (its amax is 0)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return out, out_t, one, one.clone()
+    scale_out = torch.empty((), dtype=torch.float32, device=device)
+    scale_inv_out = torch.empty((), dtype=torch.float32, device=device)
     consts = dict(hist=hist, scaling=code, algo_max=algo_max, margin=margin, power_of_2=power_of_2)
-    if code in (1, 2):
-        # pre-pass: this tensor's amax (delayed scaling: only until the history sizes the scale)
-        _launch(x, fmt, amax_bits=cur_bits, compute_amax=True, skip_if_history=(code == 1), **consts)
-    scratch = torch.zeros(1, dtype=torch.int32, device=device)  # the cast pass's own amax (recorded into hist)
-    _launch(x, fmt, out=out, out_t=out_t, amax_bits=scratch, noise=noise, seed=seed,
-            cur_amax_bits=cur_bits, scale_out=scale_out, scale_inv_out=scale_inv_out, hw_cast=hw_cast,
-            compute_amax=record and code != 2, scale_mode=1, record=record and code != 2,
-            record_cur=record and code == 2, **consts)
+    partials = None
+    if code == 2 or (code == 1 and not history_sized):
+        bm, bn = _blocks(m, n, False)
+        partials = torch.empty((min(PARTIALS, triton.cdiv(m, bm) * triton.cdiv(n, bn)),), dtype=torch.int32,
+                               device=device)
+        _launch_partials(x, partials, hist, skip_if_history=(code == 1), algo_max=algo_max)
+    _launch(x, fmt, out=out, out_t=out_t, noise=noise, seed=seed, partials=partials, scale_out=scale_out,
+            scale_inv_out=scale_inv_out, hw_cast=hw_cast, scale_mode=1, record=record and code != 2,
+            record_cur=record and code == 2, check_sized=code == 1 and partials is None and record, **consts)
     return out, out_t, scale_out, scale_inv_out

@@ -50,6 +50,11 @@ def _close_step_kernel(
     tl.store(row + offs, new, mask=offs < HIST_LEN)
 
 
+def _bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as the uint8 bytes it is (a view: no conversion kernel per flag, per layer, per step)."""
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags.to(torch.uint8)
+
+
 def launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, delayed, algo_max, margin, power_of_2, taken):
     """Close one layer's step in place: history [3, L+1] float32 (contiguous), counters [3] int64, constants [3]."""
     assert history.dim() == 2 and history.is_contiguous()
@@ -58,7 +63,7 @@ def launch_close_step(history, overflow_count, clip_count, fp8_max, scaled, dela
         if not announce("close_step", [history], [history, overflow_count, clip_count]):
             return
         _close_step_kernel[(n_roles,)](
-            history, overflow_count, clip_count, fp8_max, scaled.to(torch.int8), delayed.to(torch.int8),
-            algo_max.to(torch.int8), margin.to(torch.float32), power_of_2.to(torch.int8),
+            history, overflow_count, clip_count, fp8_max, _bytes(scaled), _bytes(delayed), _bytes(algo_max),
+            margin.to(torch.float32), _bytes(power_of_2),
             HIST_LEN=length, HIST_BLOCK=_next_pow2(max(length, 2)), TAKEN=bool(taken), num_warps=1,
         )
