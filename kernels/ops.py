@@ -2,23 +2,25 @@
 count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's launches are stated below).
 
   lightning_fp8::fp8_cast(x, scale, fmt, noise?, seed?, skip_if?, write_row, write_t, compute_amax)
-      -> (x_fp8 [M,N] or empty, x_fp8^T [N,M] or empty, amax float32 0-d (0 where not computed))
+      -> (x_fp8 [M,N] or empty, x_fp8^T [N,M] or empty, amax float32 0-d, or 0 elements where not asked for)
       a cast with a known scale (1 launch).
   lightning_fp8::scaled_cast(x, history!, role, fmt, scaling, algo_max, margin, power_of_2, noise?, seed?, write_t,
                              record)
       -> (x_fp8 [M,N], x_fp8^T [N,M] or empty, scale 0-d, scale_inv 0-d)
       the state-driven cast of FP8Layer: the scale derived from the role's amax history (delayed) or this tensor's
       amax (current), and this tensor's amax max-accumulated into history[role, 0] (mutated) when `record`.
-      CUDA: 2 launches (delayed: a pre-pass that exits at once once the history sizes the scale; current: amax,
-      then cast), 1 without scaling. x_fp8^T is materialised only where the kernel writes it in the same pass (CUDA);
-      elsewhere it is empty and callers use x_fp8.t() (the emulated GEMM reads any layout).
-  lightning_fp8::tiled_cast(x, history!, role, fmt, tile, tile_t, margin, power_of_2, noise?, record)
-      -> (x_fp8 [M,N] or empty, scale_inv per tile of x, x^T_fp8 [N,M] or empty, scale_inv per tile of x^T)
+      CUDA: 2 launches (delayed: a pre-pass that reads nothing once the history sizes the scale; current: amax,
+      then cast), 1 without scaling; no fill or allocation kernel besides (triton_cast.py). x_fp8^T is materialised
+      only where the kernel writes it in the same pass (CUDA); elsewhere it is empty and callers use x_fp8.t() (the
+      emulated GEMM reads any layout).
+  lightning_fp8::tiled_cast(x, history!, role, fmt, tile, tile_t, margin, power_of_2, noise?, record, pad_to=1)
+      -> (x_fp8 [M,N] or empty, scale_inv per tile of x, x^T_fp8 [N,M'] or empty, scale_inv per tile of x^T)
       the stateless cast of a fine-grained (rowwise / blockwise) layer: one scale per tile (numerics/tiles.py), for
-      x and, in the same op, for x^T (the layout the other GEMM contracts); x's amax max-accumulated into
-      history[role, 0] when `record` (overflow detection and monitoring read it; no scale is derived from it).
-      Every device runs the torch reference (kernels/reference.py, about a dozen launches on CUDA per layout: a
-      fused Triton kernel is not written yet, docs/status.md). Defined in kernels/tiled_ops.py.
+      x and, in the same op, for x^T (the layout the other GEMM contracts; M' = M rounded up to `pad_to`, zeros);
+      x's amax max-accumulated into history[role, 0] when `record` (overflow detection and monitoring read it; no
+      scale is derived from it). The scales are stored in the layouts the scaled GEMM reads. CUDA: 1 launch (1x128 /
+      128x128 tiles; rowwise with one layout), 2 (rowwise, both layouts), kernels/triton_tiled.py. Defined in
+      kernels/tiled_ops.py.
   lightning_fp8::close_scaling_step(history!, overflow_count!, clip_count!, constants..., taken)
       closing the step in progress of one layer's three roles (numerics.scaling.close_step), in place.
       CUDA: 1 launch (kernels/triton_scaling.py).
@@ -110,7 +112,7 @@ def _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, comp
     return (
         out if out is not None else _empty(x, f.dtype),
         out_t if out_t is not None else _empty(x, f.dtype),
-        amax if amax is not None else torch.zeros((), dtype=torch.float32, device=x.device),
+        amax if compute_amax else _empty(x, torch.float32),  # no amax asked: a 0-element placeholder, no fill kernel
     )
 
 
@@ -129,7 +131,7 @@ def _fp8_cast_fake(x, scale, fmt, noise, seed, skip_if, write_row, write_t, comp
     m, n = x.shape
     out = x.new_empty((m, n), dtype=dtype) if write_row else x.new_empty((0,), dtype=dtype)
     out_t = x.new_empty((n, m), dtype=dtype) if write_t else x.new_empty((0,), dtype=dtype)
-    return out, out_t, x.new_empty((), dtype=torch.float32)
+    return out, out_t, x.new_empty(() if compute_amax else (0,), dtype=torch.float32)
 
 
 def fp8_cast(

@@ -254,8 +254,8 @@ def tiled_variants(monkeypatch) -> List["Variant"]:
                           calls)
 
 
-def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Variant]]:
-    """Every variant the launchers emit over their options: the cast kernel (launch_cast: layouts, amax, rounding,
+def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Variant], List[Variant]]:
+    """Every variant the launchers emit over their options: the cast kernel and the scaled cast's amax pre-pass (launch_cast: layouts, amax, rounding,
     skip flag; launch_scaled_cast: scaling mode, history reduction, power-of-two, layouts, recording, rounding; both
     formats, the three input dtypes), the close-step kernel (step taken or not) and the fused AdamW step (second
     moment dtype, decoupled, maximize, weight decay)."""
@@ -282,7 +282,15 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
                 triton_cast.launch_scaled_cast(x, torch.zeros(17), fmt, scaling, algo_max, 1, pow2, write_t=t,
                                                record=rec, **rounding)
 
-    casts = record(monkeypatch, triton_cast, "_cast_kernel", cast_calls)
+    prepass = _Recorder(triton_cast._amax_partials_kernel)
+
+    def cast_and_prepass_calls():
+        with monkeypatch.context() as m:
+            m.setattr(triton_cast, "_amax_partials_kernel", prepass)
+            cast_calls()
+
+    casts = record(monkeypatch, triton_cast, "_cast_kernel", cast_and_prepass_calls)
+    prepasses = [Variant.of(prepass.kernel, args, kwargs) for args, kwargs in prepass.launches]
     meta = FP8LinearMeta(FP8Recipe())
     closes = []
     for taken in (True, False):
@@ -293,7 +301,7 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
                            weight_decay=wd)
              for vdt, decoupled, maximize, wd in itertools.product(("fp16", "fp8"), (True, False), (False, True),
                                                                    (0.0, 0.01))]
-    return casts, closes, steps
+    return casts, prepasses, closes, steps
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,9 +309,9 @@ def launcher_variants() -> Tuple[Tuple[Variant, int], ...]:
     """The covering variants of each kernel, each with the architecture it is compiled for (round robin, so every
     architecture gets a share and each variant compiles once) and that architecture's choice of conversion."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        casts, closes, steps = _every_launch(monkeypatch)
+        casts, prepasses, closes, steps = _every_launch(monkeypatch)
         tiled = tiled_variants(monkeypatch)
-    chosen = covering(casts) + covering(closes) + covering(steps)
+    chosen = covering(casts) + covering(prepasses) + covering(closes) + covering(steps)
     for name in ("_block_cast_kernel", "_colwise_kernel", "_rowwise_cast_kernel"):
         chosen += covering([v for v in tiled if v.kernel.__name__ == name])
     assigned = []
@@ -333,7 +341,7 @@ def test_launcher_variants_cover_every_choice():
     assert set().union(*(_features(v) for v in everything)) == set().union(*(_features(v) for v, _ in compiled))
     assert {arch for _, arch in compiled} == set(ARCHS)
     assert {v.kernel.__name__ for v, _ in compiled} >= {"_block_cast_kernel", "_colwise_kernel", "_rowwise_cast_kernel"}
-    assert len(compiled) <= 28, len(compiled)  # keeps the suite fast
+    assert len(compiled) <= 30, len(compiled)  # keeps the suite fast (29: the amax pre-pass joined)
 
 
 # -- selection: what each architecture runs compiles, with the conversion we rely on -----------------------------------
