@@ -12,8 +12,8 @@
 
 Run it under `device.simulate_cuda` on meta tensors and the code takes the CUDA paths with shapes only: the Triton
 launchers record and skip their kernels, the scaled-GEMM calls run torch's meta checks. That is the measuring
-instrument of the launch budgets (tests/test_launch_budget.py) and of the roofline model (lightning_fp8/perf/roofline.py,
-benchmarks/roofline.py). A count, not a profile: what runs, not how long it takes.
+instrument of the launch budgets (tests/test_launch_budget.py). A count, not a profile: what runs, not how long it
+takes.
 """
 from __future__ import annotations
 
