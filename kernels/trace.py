@@ -51,6 +51,9 @@ class Launch:
     bytes_read: int
     bytes_written: int
     flops: int = 0
+    #: a GEMM's first operand dtype ("float8_e4m3fn", "float4_e2m1fn_x2", "bfloat16", ...): which tensor-core rate
+    #: runs it; "" for other kernels
+    operand_dtype: str = ""
 
     @property
     def bytes(self) -> int:
@@ -80,7 +83,16 @@ def _gemm_flops(name: str, args: Sequence) -> int:
     else:
         a, b = args[0], args[1]
     batch = a.shape[0] if a.dim() == 3 else 1
-    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    k = a.shape[-1] * (2 if a.dtype == _FP4 else 1)  # packed FP4: two elements per byte along K
+    return 2 * batch * a.shape[-2] * k * b.shape[-1]
+
+
+_FP4 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def _gemm_operand_dtype(name: str, args: Sequence) -> str:
+    a = args[1] if name in ("addmm", "baddbmm") else args[0]
+    return str(a.dtype).replace("torch.", "")
 
 
 class _Recorder(TorchDispatchMode):
@@ -105,8 +117,10 @@ class _Recorder(TorchDispatchMode):
             inputs = inputs[1:]
         if func._schema.is_mutable and not written:
             written = [a for a in _tensors(args[:1])]
-        flops = _gemm_flops(name, args) if name in _GEMMS else 0
-        self.launches.append(Launch("aten", name, sum(map(_nbytes, inputs)), sum(map(_nbytes, written)), flops))
+        gemm = name in _GEMMS
+        self.launches.append(Launch("aten", name, sum(map(_nbytes, inputs)), sum(map(_nbytes, written)),
+                                    _gemm_flops(name, args) if gemm else 0,
+                                    _gemm_operand_dtype(name, args) if gemm else ""))
         return out
 
 

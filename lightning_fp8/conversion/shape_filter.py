@@ -1,18 +1,17 @@
-"""Shape-aware auto filter: keep a linear in BF16 where FP8 cannot be faster.
+"""Shape-aware auto filter: keep a linear in BF16 where FP8 is predicted slower.
 
-FP8 halves GEMM time at best, and pays for it with casts that move bytes (and, in eager mode, launch tiny
-kernels). For a linear y = x W^T with M tokens, K inputs and N outputs, one training step runs three GEMMs of
-2*M*K*N flops each (forward, dgrad, wgrad). The model below compares, per step and per layer:
+FP8 halves GEMM time at best, and pays for it with casts that move bytes (and, in eager mode, launch small
+kernels). `fp8_wins` asks the roofline model (roofline.py) for one training step of the layer: the kernels the
+layer's recipe launches on the CUDA path, recorded on meta tensors (not assumed), each timed with the GPU's
+published peaks (`GPU_SPECS`, sources below) and assumed efficiencies, against BF16 nn.Linear's three GEMMs; in eager
+mode a step also takes at least one CPU launch time per kernel. A layer predicted slower in FP8 stays BF16 with the
+prediction as its reason in the precision map. `step_times` is the older closed-form estimate of the same step
+(kept for its callers; the filter no longer uses it).
 
-  BF16:  3 GEMMs, each max(flops / (eff * bf16_peak), bytes / hbm_bw) + launch, operands 2 bytes/element
-  FP8:   3 GEMMs on 1-byte operands at the FP8 rate, plus the casts of the fused path (docs/benchmarks.md has
-         the byte count): x -> x_fp8, x_fp8^T; W -> W_fp8, W_fp8^T; dY -> dY_fp8, dY_fp8^T, each a read of the
-         high-precision tensor and two 1-byte writes, plus the per-cast scale bookkeeping launches
-
-It is a roofline with *assumed* efficiencies, not a benchmark (none of its constants has been measured by this
-project yet: no GPU run has happened, see docs/status.md): good enough to keep 4096x1024x1024-sized layers
-(and smaller) in BF16 and to convert 16384x4096x14336. `benchmarks/linear.py` measures the real crossover on a
-GPU; the table below is where to put what it finds.
+It is a model with *assumed* efficiencies, not a benchmark (none of its constants has been measured by this
+project yet: no GPU run has happened, see docs/status.md): it keeps 4096x1024x1024-sized layers (and smaller) in
+BF16 and converts 16384x4096x14336 (benchmarks/results/roofline.md has the table for LLaMA-3 shapes).
+`benchmarks/linear.py` measures the real crossover on a GPU.
 
 On CPU, or a GPU without FP8 tensor cores, FP8 is emulated: there is no speed to win or lose, so nothing is
 filtered ("FP8 emulated: no speed model"). Convolutions are left to the default rules (converted where they can run
@@ -27,8 +26,9 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from lightning_fp8.conversion import kinds
+from lightning_fp8.conversion import kinds, roofline
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, structural_skip_reason
+from lightning_fp8.recipe import FP8Recipe
 
 EMULATED_REASON = "FP8 emulated: no speed model"
 #: what the filter decides for a convolution that can run in FP8: it has no speed model for them
@@ -53,19 +53,29 @@ class GPUSpec:
     bw_efficiency: float = 0.85
     #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels; assumed, unmeasured)
     launch_s: float = 6e-6
+    #: dense FP4 rate (Blackwell's NVFP4 / MXFP4 tensor cores); 0: none
+    fp4_tflops: float = 0.0
+    #: the compute capability (which CUDA path the roofline model records, roofline.py)
+    capability: Tuple[int, int] = (9, 0)
 
 
-#: Vendor peak numbers (datasheets); efficiencies are the assumptions noted on GPUSpec. Matched against
-#: torch.cuda.get_device_name() by substring, first match wins (so "H100 PCIe" before "H100").
+#: Vendor peak numbers, dense (the datasheets' sparsity figures halved); efficiencies are the assumptions noted on
+#: GPUSpec. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM / PCIe / NVL: BF16, FP8, HBM), NVIDIA H200
+#: Tensor Core GPU datasheet (H200 SXM: the H100 SXM's compute, 4.8 TB/s HBM3e), NVIDIA Blackwell architecture
+#: technical brief (B200 in HGX B200, per GPU: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s dense, 8 TB/s HBM3e), the L40S and
+#: RTX 4090 (Ada) datasheets. Matched against torch.cuda.get_device_name() by substring, first match wins (so
+#: "H100 PCIe" before "H100").
 GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
+    ("B200", GPUSpec("B200", bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_tbps=8.0, fp4_tflops=9000.0,
+                     capability=(10, 0))),
     ("H200", GPUSpec("H200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=4.8)),
     ("GH200", GPUSpec("GH200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=4.0)),
     ("H100 PCIe", GPUSpec("H100 PCIe", bf16_tflops=756.0, fp8_tflops=1513.0, hbm_tbps=2.0)),
     ("H100 NVL", GPUSpec("H100 NVL", bf16_tflops=835.0, fp8_tflops=1671.0, hbm_tbps=3.9)),
     ("H100", GPUSpec("H100 SXM", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35)),
     ("H800", GPUSpec("H800", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35)),
-    ("L40S", GPUSpec("L40S", bf16_tflops=362.0, fp8_tflops=733.0, hbm_tbps=0.864)),
-    ("4090", GPUSpec("RTX 4090", bf16_tflops=165.0, fp8_tflops=330.0, hbm_tbps=1.0)),
+    ("L40S", GPUSpec("L40S", bf16_tflops=362.0, fp8_tflops=733.0, hbm_tbps=0.864, capability=(8, 9))),
+    ("4090", GPUSpec("RTX 4090", bf16_tflops=165.0, fp8_tflops=330.0, hbm_tbps=1.0, capability=(8, 9))),
 )
 
 #: small kernels per FP8 linear step besides the GEMMs, counted from the op structure (docs/benchmarks.md, "The
@@ -140,22 +150,26 @@ def step_times(m: int, k: int, n: int, spec: GPUSpec, weight_bytes: int = 4, com
 
 
 def fp8_wins(
-    m: int, k: int, n: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+    m: int, k: int, n: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False,
+    recipe: Optional[FP8Recipe] = None,
 ) -> Tuple[bool, str]:
     """Whether an M x K x N linear (M tokens per step) is faster in FP8 than in BF16 on `device`, and why.
 
-    device: None (the current CUDA device, else CPU), a torch.device / "cuda:0" / "cpu", a GPU name ("H100",
-    "H200"), or a GPUSpec. Where FP8 is emulated the answer is (True, "FP8 emulated: no speed model"): nothing to
-    gain or lose, so nothing is filtered. min_speedup: FP8 must beat BF16 by this factor to be chosen.
-    compiled: the step runs under torch.compile (the per-cast bookkeeping fuses; small layers lose less)."""
+    The prediction is the roofline model of roofline.py: the kernels `recipe`'s CUDA path launches for the layer
+    (recorded, not assumed) timed with the GPU's peaks. device: None (the current CUDA device, else CPU), a
+    torch.device / "cuda:0" / "cpu", a GPU name ("H100", "H200", "B200"), or a GPUSpec. Where FP8 is emulated the
+    answer is (True, "FP8 emulated: no speed model"): nothing to gain or lose, so nothing is filtered. min_speedup:
+    FP8 must beat BF16 by this factor to be chosen. compiled: the step runs under torch.compile (inductor fuses the
+    elementwise conversions). recipe: the layer's recipe (default FP8Recipe())."""
     spec, note = resolve_spec(device)
     if spec is None:
         return True, note
-    bf16_s, fp8_s = step_times(m, k, n, spec, compiled=compiled)
-    speedup = bf16_s / fp8_s
+    recipe = recipe if recipe is not None else FP8Recipe()
+    prediction = roofline.predict(roofline.LayerShape(m, k, n), recipe, spec, compiled=compiled)
+    bf16_s, fp8_s, speedup = prediction.bf16_s, prediction.fp8_s, prediction.speedup
     detail = (
-        f"{m}x{k}x{n} fwd+bwd on {spec.name}: est. FP8 {fp8_s * 1e3:.3f} ms vs BF16 {bf16_s * 1e3:.3f} ms "
-        f"({speedup:.2f}x)"
+        f"{m}x{k}x{n} fwd+bwd on {spec.name}, {recipe.scaling} scaling ({len(prediction.kernels)} kernels): "
+        f"roofline model FP8 {fp8_s * 1e3:.3f} ms vs BF16 {bf16_s * 1e3:.3f} ms ({speedup:.2f}x)"
     )
     if speedup >= min_speedup:
         return True, f"FP8 faster: {detail}"
@@ -172,7 +186,8 @@ class AutoShapeFilter:
     filter also stores it on the module as `_fp8_skip_reason` (which `precision_map` reads)."""
 
     def __init__(
-        self, tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+        self, tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False,
+        recipe: Optional[FP8Recipe] = None,
     ) -> None:
         if not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be a positive int, got {tokens_per_batch!r}")
@@ -180,6 +195,7 @@ class AutoShapeFilter:
         self.device = device
         self.min_speedup = min_speedup
         self.compiled = compiled
+        self.recipe = recipe
         self.decisions: Dict[str, Tuple[bool, str]] = {}
 
     def skip_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
@@ -194,7 +210,8 @@ class AutoShapeFilter:
             device = self.device if self.device is not None else _device(module)
             in_features, out_features = kinds.features(module)
             wins, why = fp8_wins(
-                self.tokens_per_batch, in_features, out_features, device, self.min_speedup, self.compiled
+                self.tokens_per_batch, in_features, out_features, device, self.min_speedup, self.compiled,
+                self.recipe,
             )
             reason = None if wins else why
             self.decisions[fqn] = (wins, why)
@@ -211,12 +228,14 @@ class AutoShapeFilter:
 
 
 def auto_filter(
-    tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False
+    tokens_per_batch: int, device: DeviceLike = None, min_speedup: float = 1.0, compiled: bool = False,
+    recipe: Optional[FP8Recipe] = None,
 ) -> AutoShapeFilter:
     """A module_filter for `convert_to_fp8(model, module_filter=auto_filter(tokens_per_batch))` (see
     AutoShapeFilter). tokens_per_batch: rows of the activations each linear sees per step (batch x sequence
-    length per device, per micro-batch)."""
-    return AutoShapeFilter(tokens_per_batch, device, min_speedup, compiled)
+    length per device, per micro-batch). recipe: the recipe the layers will run (its kernels are what the model
+    times; default FP8Recipe())."""
+    return AutoShapeFilter(tokens_per_batch, device, min_speedup, compiled, recipe)
 
 
 def shape_skip_reason(
@@ -225,11 +244,12 @@ def shape_skip_reason(
     device: DeviceLike = None,
     min_speedup: float = 1.0,
     compiled: bool = False,
+    recipe: Optional[FP8Recipe] = None,
 ) -> Optional[str]:
     """For `default_skip_reason`: the reason to keep `module` in BF16 on speed grounds, or None to convert it."""
     device = device if device is not None else _device(module)
     in_features, out_features = kinds.features(module)
-    wins, why = fp8_wins(tokens_per_batch, in_features, out_features, device, min_speedup, compiled)
+    wins, why = fp8_wins(tokens_per_batch, in_features, out_features, device, min_speedup, compiled, recipe)
     return None if wins else why
 
 
