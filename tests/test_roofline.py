@@ -31,7 +31,7 @@ HEADLINE = LayerShape(16384, 4096, 14336)
 def test_the_model_times_the_kernels_the_layer_launches():
     """The FP8 step is the recorded launch sequence of tests/test_launch_budget.py without the layer's own scale
     close (the engine closes all layers at once); BF16 is nn.Linear's three GEMMs, at 2*M*K*N FLOPs each."""
-    from tests.test_launch_budget import EXPECTED
+    from test_launch_budget import EXPECTED
 
     forward, backward = EXPECTED["delayed"]
     names = [launch.name for launch in fp8_launches(LayerShape(8192, 4096, 4096), FP8Recipe(), (9, 0))]
