@@ -1,13 +1,15 @@
 """ResNet-18 on the digits: high precision vs FP8 (default recipe) vs FP8 (`mellempudi` preset), several seeds.
 
-    python benchmarks/resnet_digits.py --time-bf16-step [--seeds 0 1 2] [--epochs 3]
+    python benchmarks/resnet_digits.py --time-bf16-step [--seeds 0 1 2] [--epochs 6]
                                        [--out benchmarks/results/resnet_digits]
 
 The model and data of examples/resnet_digits.py: transformers' ResNetForImageClassification (basic blocks, depths
 2-2-2-2, widths 64-512, 20 convolutions) on scikit-learn's 1797 handwritten 8x8 digits upscaled to 32x32, a fixed
-75 / 25 split; AdamW (lr 2e-3, weight decay 5e-4), batch 64, 3 epochs (63 steps; float32 reaches about 97% test
+75 / 25 split; AdamW (lr 2e-3, weight decay 5e-4), batch 64, 6 epochs (126 steps; float32 reaches about 98.7% test
 accuracy), linear warmup over 20 steps then cosine decay to zero, so runs are compared at their end
-(docs/measuring.md). Each seed fixes the initialisation and the data order, the
+(docs/measuring.md). 6 epochs, not 3: at 3 epochs the model is still learning and float32's own accuracy varies by
+1.0 point (sd) from seed to seed, as much as the 1-point bar the FP8 runs are held to; at 6 it varies by 0.13
+(benchmarks/results/resnet_digits_3epochs.md keeps the 3-epoch run). Each seed fixes the initialisation and the data order, the
 same for the three precisions; the score is the test-set accuracy after the last step (FP8 runs evaluate in FP8, as
 FP8Precision does by default).
 
@@ -147,6 +149,13 @@ def machine() -> dict:
             "load_average_1min_at_start": os.getloadavg()[0]}
 
 
+def _bf16_step_text(result: dict, cfg: dict) -> str:
+    if "bf16_step_s" not in result:
+        return "one BF16-autocast training step was not timed in this run (`--time-bf16-step` times it)"
+    return (f"one BF16-autocast training step of this model at batch {cfg['batch_size']} took "
+            f"{result['bf16_step_s']:.1f} s here")
+
+
 def markdown(result: dict) -> str:
     m, cfg, runs = result["machine"], result["config"], result["runs"]
     load = m.get("load_average_1min_at_start", float("nan"))
@@ -158,8 +167,7 @@ def markdown(result: dict) -> str:
              "Written by `python benchmarks/resnet_digits.py` (see its docstring for the setup). config: "
              f"{json.dumps(cfg)}", "",
              "**Baseline precision: float32**, standing in for BF16: this CPU has no BF16 hardware "
-             f"(BF16 hardware: {m['bf16_hardware']}); one BF16-autocast training step of this model at batch "
-             f"{cfg['batch_size']} took {result.get('bf16_step_s', float('nan')):.1f} s here. The FP8 runs compute "
+             f"(BF16 hardware: {m['bf16_hardware']}); {_bf16_step_text(result, cfg)}. The FP8 runs compute "
              "everything that is not an FP8 GEMM in float32 too. FP8 GEMMs are emulated (real FP8 casts, float32 "
              "products). Times are wall-clock on a machine shared with other jobs (1-minute load average "
              f"{load:.1f} at the start, on 2 cores): they say what a run cost "
@@ -199,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--image-size", type=int, default=32)
