@@ -175,7 +175,7 @@ def _derived_scale(
     PARTIALS_BLOCK: tl.constexpr,
 ):
     """`numerics.scaling.cast_scale`: SCALING 1 delayed, 2 current, 3 none (scale 1). The current amax comes from the
-    pre-pass's partial maxima (HAS_CUR), else it is 0: a delayed cast the engine knows to be sized by the history."""
+    pre-pass's partial maxima (HAS_CUR; every delayed and current cast has the pre-pass), else it is 0."""
     if SCALING == 3:
         return 1.0
     offs = tl.arange(0, HIST_BLOCK)
@@ -245,7 +245,7 @@ def _cast_kernel(
     ROUNDING: tl.constexpr,
     SCALE_MODE: tl.constexpr, SKIP_IF_HISTORY: tl.constexpr, RECORD: tl.constexpr, RECORD_CUR: tl.constexpr,
     HIST_LEN: tl.constexpr, HIST_BLOCK: tl.constexpr, SCALING: tl.constexpr, ALGO_MAX: tl.constexpr,
-    MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HAS_CUR: tl.constexpr, CHECK_SIZED: tl.constexpr,
+    MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HAS_CUR: tl.constexpr,
     PARTIALS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -278,13 +278,6 @@ def _cast_kernel(
     if RECORD_CUR:
         if pid == 0:  # the pre-pass measured this tensor's amax already (current scaling)
             tl.atomic_max(hist_bits_ptr, _partials_max(partials_ptr, num_partials, PARTIALS_BLOCK))
-    if CHECK_SIZED:
-        # delayed scaling without a pre-pass (the engine read that the history sizes the scale): should the history
-        # not size it after all, the cast used scale 1; make that an overflow of the step (inf in the open slot),
-        # which skips it, rather than a silent saturation
-        if pid == 0:
-            if not (_history_ref(hist_ptr, HIST_LEN, HIST_BLOCK, ALGO_MAX) > 0):
-                tl.atomic_max(hist_bits_ptr, 0x7F800000)
 
     if WRITE_ROW or WRITE_T:
         if SCALE_MODE == 1:
@@ -355,7 +348,7 @@ def _blocks(m: int, n: int, transpose: bool):
 def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=None, seed=None, skip_if=None,
             hist=None, partials=None, scale_out=None, scale_inv_out=None, hw_cast=True, compute_amax=False,
             scale_mode=0, skip_if_history=False, record=False, record_cur=False, scaling=1, algo_max=True,
-            margin=0, power_of_2=False, check_sized=False):
+            margin=0, power_of_2=False):
     m, n = x.shape
     if not (m and n):
         return
@@ -413,7 +406,6 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             MARGIN_DIV=float(2.0**margin),
             POW2=power_of_2,
             HAS_CUR=partials is not None,
-            CHECK_SIZED=check_sized,
             PARTIALS_BLOCK=PARTIALS,
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -482,15 +474,12 @@ def launch_scaled_cast(
     noise: Optional[torch.Tensor] = None,
     seed: Optional[torch.Tensor] = None,
     hw_cast: bool = True,
-    history_sized: bool = False,
 ):
     """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
     contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`).
 
     Launches: current scaling 2 (the amax pre-pass, then the cast); delayed scaling 2 (a pre-pass that reads
-    nothing once the history sizes the scale, then the cast), or 1 where the caller knows the history sizes it
-    (`history_sized`: the engine reads that once per iteration with its other flags; if the history does not size it
-    after all, the cast flags an overflow instead of saturating silently); no scaling 1. Nothing else: the outputs
+    nothing once the history sizes the scale, then the cast); no scaling 1. Nothing else: the outputs
     are allocated, never filled (the kernels write every element). Returns (out uint8 [M,N], out_t uint8 [N,M] or
     None, scale 0-d, scale_inv 0-d)."""
     assert x.dim() == 2 and hist.dim() == 1 and hist.is_contiguous()
@@ -506,12 +495,12 @@ def launch_scaled_cast(
     scale_inv_out = torch.empty((), dtype=torch.float32, device=device)
     consts = dict(hist=hist, scaling=code, algo_max=algo_max, margin=margin, power_of_2=power_of_2)
     partials = None
-    if code == 2 or (code == 1 and not history_sized):
+    if code in (1, 2):
         bm, bn = _blocks(m, n, False)
         partials = torch.empty((min(PARTIALS, triton.cdiv(m, bm) * triton.cdiv(n, bn)),), dtype=torch.int32,
                                device=device)
         _launch_partials(x, partials, hist, skip_if_history=(code == 1), algo_max=algo_max)
     _launch(x, fmt, out=out, out_t=out_t, noise=noise, seed=seed, partials=partials, scale_out=scale_out,
             scale_inv_out=scale_inv_out, hw_cast=hw_cast, scale_mode=1, record=record and code != 2,
-            record_cur=record and code == 2, check_sized=code == 1 and partials is None and record, **consts)
+            record_cur=record and code == 2, **consts)
     return out, out_t, scale_out, scale_inv_out

@@ -245,8 +245,9 @@ def launch_tiled_cast(
     common = dict(FP8_MAX=fmt.max, MARGIN_DIV=float(2.0**margin), POW2=power_of_2)
     record = hist_slot is not None
     if name == "rowwise":
-        s = torch.empty((m, 1), dtype=torch.float32, device=device) if write_row else None
-        st = torch.empty((n, 1), dtype=torch.float32, device=device) if write_t else None
+        # one scale per row, none where a row is empty (the reference's and the fake impl's (m, 0) / (n, 0))
+        s = torch.empty((m, 1 if n else 0), dtype=torch.float32, device=device) if write_row else None
+        st = torch.empty((n, 1 if m_out else 0), dtype=torch.float32, device=device) if write_t else None
         if not (m and n):
             return q, s, qt, st
         col_amax = torch.empty((n,), dtype=torch.int32, device=device) if (write_t and write_row) else None

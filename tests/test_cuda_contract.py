@@ -103,6 +103,10 @@ def _cast_cases():
         yield (f"microscaled_cast-nvfp4-rht-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
                (_inputs((40, 80), layout), history(), 2, "nvfp4", "e2m1", [1, 16], [1, 16], True, torch.rand(40, 80),
                 torch.rand(80, 48), True))
+    # no tokens (an MoE expert that receives none) / no features: empty scales, as the fake impl says
+    for empty in ((0, 256), (64, 0)):
+        yield (f"tiled_cast-rowwise-empty{empty[0]}x{empty[1]}", torch.ops.lightning_fp8.tiled_cast.default,
+               (torch.empty(empty), history(), 0, "e4m3", [1, 0], [1, 0], 0, True, None, True))
     yield ("microscaled_cast-nvfp4-weight", torch.ops.lightning_fp8.microscaled_cast.default,
            (_inputs((48, 80), "row"), history(), 1, "nvfp4", "e2m1", [16, 16], [16, 16], False, None, None, False))
     yield "close_scaling_step", torch.ops.lightning_fp8.close_scaling_step.default, (
@@ -136,7 +140,8 @@ def test_cast_ops_match_their_fake_impls(case, path):
 #: the fused fine-grained casts on the Triton path: each kernel family once (opcheck calls an op many times, and the
 #: interpreter is slow), a transposed input and both paddings among them
 TRITON_TILED_CASES = ["tiled_cast-((1, 128), (1, 128))-pad128-row", "tiled_cast-((1, 0), (1, 0))-pad16-t",
-                      "tiled_cast-((128, 128), (128, 128))-row", "tiled_cast-((1, 32), ())-row"]
+                      "tiled_cast-((128, 128), (128, 128))-row", "tiled_cast-((1, 32), ())-row",
+                      "tiled_cast-rowwise-empty0x256", "tiled_cast-rowwise-empty64x0"]
 
 
 @interp
@@ -220,8 +225,8 @@ def expected_native(arch, ops):
         return arch == "sm100"
     assert kind in BLOCKWISE, kind
     # the token count is free: the layer pads the weight-gradient GEMM's contraction (x^T's and dY^T's token columns)
-    # to whole 128-blocks in the cast; the 1x128 operands' scaled dimension must be a multiple of 4
-    shape_ok = k % 128 == 0 and m % 4 == 0 and (n % 128 == 0 if kind == BLOCKWISE[0] else n % 4 == 0)
+    # to whole 128-blocks in the cast; M must be a multiple of 4 (1x128 scales), N of 16 (torch's check of mat_b)
+    shape_ok = k % 128 == 0 and m % 4 == 0 and (n % 128 == 0 if kind == BLOCKWISE[0] else n % 16 == 0)
     return arch == "sm90" and shape_ok and ops.a.dtype == ops.b.dtype == E4
 
 
@@ -406,6 +411,20 @@ def test_conv_gemm_contract_on_meta(scaling):
             records = conv_gemms(scaling, case, device="meta", triton=triton)
             check_on_every_arch(records, scaling)
             assert_b_column_major(records)
+
+
+def test_blockwise_weight_gradient_with_in_features_not_a_multiple_of_16_is_refused_at_planning():
+    """Defect: the planner accepted a 1x128 x 1x128 GEMM (the weight gradient: N = in_features) whose N is not a
+    multiple of 16, which torch's scaled GEMM refuses ("both dimensions of mat2 divisible by 16"): the launch failed
+    on the GPU and the GEMM ran emulated after a warning, while the plan claimed it was native. Now refused with the
+    reason, and torch's own check agrees with the planner on every GEMM of such a layer."""
+    recipe = FP8Recipe(scaling="blockwise", format="e4m3")
+    records = layer_gemms(recipe, (256, 100, 256), torch.bfloat16, False)
+    wgrad = records[2]
+    assert tuple(wgrad.shape) == (256, 256, 100)
+    plan = plan_scaled_mm(wgrad, target_for((9, 0)))
+    assert isinstance(plan, Refusal) and "multiple of 16" in plan.reason
+    check_on_every_arch(records, "blockwise")
 
 
 def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_sm90():

@@ -27,10 +27,10 @@ docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
                v1 `torch._scaled_mm` accepts only the unpadded layout, which gives silent wrong answers where
                (K/128) % 4 != 0, so blockwise never goes through v1. 1x128 scales: mat_a's (M, K/128) with strides
                (1, M), mat_b's (N, K/128) with strides (1, N). K a multiple of 128 (the layers pad the tokens where a
-               GEMM contracts them: kernels/tiled_ops.py `pad_to`), N a multiple of 128 for a 128x128 mat_b; the
-               dimension of a 1x128 operand's scales (M, or N for a 1x128 mat_b) a multiple of 4: cuBLASLt reads those
-               scales with a leading dimension rounded up to 4 (Transformer Engine and vLLM pad it so), while torch
-               requires it to equal the dimension (other shapes are refused). Scales already in these layouts (the
+               GEMM contracts them: kernels/tiled_ops.py `pad_to`), N a multiple of 128 for a 128x128 mat_b and of 16
+               for a 1x128 one (torch checks both dimensions of mat_b against 16); M a multiple of 4: cuBLASLt reads
+               1x128 scales with a leading dimension rounded up to 4 (Transformer Engine and vLLM pad it so), while
+               torch requires it to equal the dimension (other shapes are refused). Scales already in these layouts (the
                fused casts write them so) are used as they are; others are copied into them.
   mxfp8        1x32 blocks along K of both operands with E8M0 scales (`torch.float8_e8m0fnu`), BlockWise1x32 through
                `torch.nn.functional.scaled_mm` (v2): Blackwell only (sm100 / sm103, sm120 / sm121: cuBLASLt's
@@ -495,8 +495,9 @@ def _blockwise_shape_problem(kind: str, m: int, k: int, n: int) -> Optional[str]
     if m % 4:
         return ("the first operand's rows must be a multiple of 4 (cuBLASLt reads 1x128 scales with a leading "
                 "dimension rounded up to 4; torch requires it to equal the rows)")
-    if kind == BLOCK_1x128_1x128 and n % 4:
-        return "the second operand's columns must be a multiple of 4 (its 1x128 scales, as the first operand's)"
+    if kind == BLOCK_1x128_1x128 and n % 16:
+        return "the second operand's columns must be a multiple of 16 (torch's scaled GEMM takes mat_b's dimensions " \
+               "in multiples of 16)"
     return None
 
 
