@@ -5,8 +5,8 @@ count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's
       -> (x_fp8 [M,N] or empty, x_fp8^T [N,M] or empty, amax float32 0-d, or 0 elements where not asked for)
       a cast with a known scale (1 launch).
   lightning_fp8::scaled_cast(x, history!, role, fmt, scaling, algo_max, margin, power_of_2, noise?, seed?, write_t,
-                             record)
-      -> (x_fp8 [M,N], x_fp8^T [N,M] or empty, scale 0-d, scale_inv 0-d)
+                             record, pad_to=1)
+      -> (x_fp8 [M,N], x_fp8^T [N,M'] or empty, scale 0-d, scale_inv 0-d); M' = M rounded up to pad_to (zeros)
       the state-driven cast of FP8Layer: the scale derived from the role's amax history (delayed) or this tensor's
       amax (current), and this tensor's amax max-accumulated into history[role, 0] (mutated) when `record`.
       CUDA: 2 launches (delayed: a pre-pass that reads nothing once the history sizes the scale; current: amax,
@@ -183,13 +183,15 @@ def scaled_cast_op(
     seed: Optional[Tensor],
     write_t: bool,
     record: bool,
+    pad_to: int = 1,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t,
-                                 record)
+                                 record, pad_to)
 
 
-def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record):
+def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record,
+                      pad_to):
     f = get_format(fmt)
     if triton_enabled_for(x):
         from lightning_fp8.kernels.triton_cast import launch_scaled_cast
@@ -207,6 +209,7 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
             noise=noise.reshape(x.shape) if noise is not None else None,
             seed=seed,
             hw_cast=not use_soft_cast(x),
+            pad_to=pad_to,
         )
         out = out.view(f.dtype)
         out_t = out_t.view(f.dtype) if out_t is not None else _empty(x, f.dtype)
@@ -226,11 +229,14 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
 
 
 @scaled_cast_op.register_fake
-def _scaled_cast_fake(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record):
+def _scaled_cast_fake(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record,
+                      pad_to=1):
     torch._check(x.dim() == 2, lambda: "scaled_cast expects a 2-D tensor")
     dtype = get_format(fmt).dtype
     m, n = x.shape
-    out_t = x.new_empty((n, m), dtype=dtype) if (write_t and triton_enabled_for(x)) else x.new_empty((0,), dtype=dtype)
+    m_out = (m + pad_to - 1) // pad_to * pad_to if n else m
+    out_t = (x.new_empty((n, m_out), dtype=dtype) if (write_t and triton_enabled_for(x))
+             else x.new_empty((0,), dtype=dtype))
     scalar = x.new_empty((), dtype=torch.float32)
     return x.new_empty((m, n), dtype=dtype), out_t, scalar, x.new_empty((), dtype=torch.float32)
 
@@ -254,15 +260,19 @@ def scaled_cast(
     record: bool = True,
     noise: Optional[Tensor] = None,
     seed: Optional[Tensor] = None,
+    pad_to: int = 1,
 ):
-    """Python face of `lightning_fp8::scaled_cast` for a 2-D `x`: (x_fp8, x_fp8^T or None, scale, scale_inv)."""
+    """Python face of `lightning_fp8::scaled_cast` for a 2-D `x`: (x_fp8, x_fp8^T or None, scale, scale_inv).
+    `pad_to` (1, 2, 4, 8 or 16): where x^T is written, its token columns are zero-padded to a multiple of it."""
+    if pad_to not in (1, 2, 4, 8, 16):
+        raise ValueError(f"scaled_cast: pad_to must be one of [1, 2, 4, 8, 16], got {pad_to!r}")
     if scaling not in SCALINGS:
         raise ValueError(f"scaled_cast: unknown scaling {scaling!r}; valid: {list(SCALINGS)}")
     if x.dim() != 2:
         raise ValueError(f"scaled_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
     name = fmt if isinstance(fmt, str) else fmt.name
     out, out_t, scale, scale_inv = torch.ops.lightning_fp8.scaled_cast(
-        x.detach(), history, role, name, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record
+        x.detach(), history, role, name, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record, pad_to
     )
     return out, (out_t if out_t.numel() or x.numel() == 0 else None) if write_t else None, scale, scale_inv
 

@@ -237,7 +237,7 @@ def _amax_partials_kernel(
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, noise_ptr, seed_ptr, skip_ptr,
     hist_ptr, hist_bits_ptr, partials_ptr, scale_out_ptr, scale_inv_out_ptr,
-    M, N, num_partials,
+    M, N, M_OUT, num_partials,
     stride_xm, stride_xn, stride_zm, stride_zn,
     FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAX_CODE: tl.constexpr, HW_CAST: tl.constexpr,
@@ -319,7 +319,9 @@ def _cast_kernel(
         if WRITE_ROW:
             tl.store(out_ptr + rows * N + cols, out, mask=mask)
         if WRITE_T:
-            tl.store(out_t_ptr + cols * M + rows, out, mask=mask)
+            # x^T's row length is M_OUT >= M: the token columns past M are written as zeros (x was loaded as 0 there),
+            # by the blocks that already hold them (BLOCK_M is a multiple of the padding: `launch_scaled_cast`)
+            tl.store(out_t_ptr + cols * M_OUT + rows, out, mask=(rows < M_OUT) & (cols < N))
 
 
 _TL_DTYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -350,6 +352,7 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             scale_mode=0, skip_if_history=False, record=False, record_cur=False, scaling=1, algo_max=True,
             margin=0, power_of_2=False):
     m, n = x.shape
+    m_out = out_t.shape[1] if out_t is not None else m
     if not (m and n):
         return
     if noise is not None:
@@ -382,6 +385,7 @@ def _launch(x, fmt, *, scale=None, out=None, out_t=None, amax_bits=None, noise=N
             scale_inv_out if scale_inv_out is not None else dummy,
             m,
             n,
+            m_out,
             partials.numel() if partials is not None else 0,
             x.stride(0),
             x.stride(1),
@@ -474,20 +478,25 @@ def launch_scaled_cast(
     noise: Optional[torch.Tensor] = None,
     seed: Optional[torch.Tensor] = None,
     hw_cast: bool = True,
+    pad_to: int = 1,
 ):
     """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
-    contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`).
+    contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`). `pad_to`
+    (a power of two <= 16): x^T's rows are M rounded up to it, the extra columns zeros (the weight-gradient GEMM
+    contracts the tokens, which torch's scaled GEMM takes in multiples of 16).
 
     Launches: current scaling 2 (the amax pre-pass, then the cast); delayed scaling 2 (a pre-pass that reads
     nothing once the history sizes the scale, then the cast); no scaling 1. Nothing else: the outputs
-    are allocated, never filled (the kernels write every element). Returns (out uint8 [M,N], out_t uint8 [N,M] or
+    are allocated, never filled (the kernels write every element). Returns (out uint8 [M,N], out_t uint8 [N,M'] or
     None, scale 0-d, scale_inv 0-d)."""
     assert x.dim() == 2 and hist.dim() == 1 and hist.is_contiguous()
     m, n = x.shape
     device = x.device
     code = _SCALING_CODES[scaling]
     out = torch.empty((m, n), dtype=torch.uint8, device=device)
-    out_t = torch.empty((n, m), dtype=torch.uint8, device=device) if write_t else None
+    assert pad_to in (1, 2, 4, 8, 16), pad_to  # the cast's row blocks (16 or more) then cover the padding
+    m_out = -(-m // pad_to) * pad_to if n else m
+    out_t = torch.empty((n, m_out), dtype=torch.uint8, device=device) if write_t else None
     if not (m and n):  # nothing to launch: the scale of an empty tensor is 1 (its amax is 0)
         one = torch.ones((), dtype=torch.float32, device=device)
         return out, out_t, one, one.clone()

@@ -90,6 +90,9 @@ def _cast_cases():
                 yield (f"scaled_cast-{scaling}-{'warm' if hist is warm else 'cold'}-t{int(write_t)}-{layout}",
                        torch.ops.lightning_fp8.scaled_cast.default,
                        (x, hist(), 1, "e4m3", scaling, True, 0, True, None, None, write_t, True))
+        # x^T's token columns padded to 16 (45 tokens: 3 zero columns), as the layers ask on the CUDA path
+        yield (f"scaled_cast-current-pad16-{layout}", torch.ops.lightning_fp8.scaled_cast.default,
+               (_inputs((45, 80), layout), history(), 1, "e4m3", "current", True, 0, True, None, None, True, True, 16))
         for tiles in (((1, 0), (1, 0)), ((1, 128), (1, 128)), ((128, 128), (128, 128)), ((1, 32), ())):
             yield (f"tiled_cast-{tiles}-{layout}", torch.ops.lightning_fp8.tiled_cast.default,
                    (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True))

@@ -707,6 +707,29 @@ def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling
 
 
 @interp
+@pytest.mark.parametrize("tokens", [33, 45, 64, 1])
+def test_interp_scaled_cast_pads_the_transpose_with_zeros(triton_interp, tokens):
+    """pad_to=16: x^T's token columns are M rounded up to 16, the first M the reference's bytes, the rest +0 (code 0),
+    with stochastic rounding too (the padded columns have no noise to draw); x itself and the recorded amax are
+    those of the unpadded cast."""
+    from lightning_fp8.kernels.reference import scaled_cast_reference
+
+    x = wide_random((tokens, 70), seed=4).clamp(-3e4, 3e4)
+    padded = -(-tokens // 16) * 16
+    for noise in (None, torch.rand(tokens, 70)):
+        h_kernel, h_ref = torch.zeros(3, 9), torch.zeros(3, 9)
+        out, out_t, scale, _ = triton_interp.launch_scaled_cast(
+            x, h_kernel[1], E4M3, "current", True, 0, False, write_t=True, record=True, noise=noise, hw_cast=False,
+            pad_to=16)
+        ref, ref_scale = scaled_cast_reference(x, h_ref, 1, E4M3, "current", True, 0, False, noise=noise)
+        assert tuple(out_t.shape) == (70, padded)
+        assert_same_fp8(out.view(E4M3.dtype), ref)
+        assert_same_fp8(out_t[:, :tokens].view(E4M3.dtype), ref.t().contiguous())
+        assert torch.equal(out_t[:, tokens:], torch.zeros(70, padded - tokens, dtype=torch.uint8))
+        assert torch.equal(scale, ref_scale) and torch.equal(h_kernel, h_ref)
+
+
+@interp
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("taken", [True, False])
 def test_interp_close_step_kernel_matches_reference(triton_interp, name, taken):

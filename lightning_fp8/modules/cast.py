@@ -39,8 +39,10 @@ def scaled_cast(
     record: bool,
     write_t: bool = False,
     generator: Optional[torch.Generator] = None,
+    pad_to: int = 1,
 ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
-    """Cast `x` (2-D) as `role` under `recipe`: (x_fp8, x_fp8^T or None, scale, scale_inv).
+    """Cast `x` (2-D) as `role` under `recipe`: (x_fp8, x_fp8^T or None, scale, scale_inv); x^T's columns (the
+    tokens) zero-padded to a multiple of `pad_to`.
 
     record=True (training) accumulates x's amax into the role's open history slot; record=False (evaluation) leaves
     the state untouched and uses current scaling. x_fp8^T comes back only where the device writes it in the same
@@ -61,6 +63,7 @@ def scaled_cast(
         write_t=write_t,
         record=record,
         noise=noise,
+        pad_to=pad_to,
     )
 
 

@@ -48,9 +48,10 @@ class GemmConfig(NamedTuple):
     fast_accum: bool
     backend: str
     hp_wgrad: bool = False  # weight_grad="high_precision"
+    pad_to: int = 1  # dY^T's token columns padded to a multiple of it, as the forward padded x^T's (`token_padding`)
 
     @staticmethod
-    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool) -> "GemmConfig":
+    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool, pad_to: int = 1) -> "GemmConfig":
         return GemmConfig(
             out_dtype=out_dtype,
             weight_fmt=recipe.format_for("weight").name,
@@ -64,6 +65,7 @@ class GemmConfig(NamedTuple):
             fast_accum=recipe.fast_accum_forward,
             backend=recipe.backend,
             hp_wgrad=recipe.high_precision_wgrad,
+            pad_to=pad_to,
         )
 
 
@@ -128,6 +130,8 @@ class FP8Gemms(torch.autograd.Function):
             grad_w = high_precision_gemm(g.t(), x_wgrad, cfg.out_dtype)
         elif needs_wgrad:
             g_a = g_t if g_t is not None else g_fp8.t()
+            if x_wgrad.shape[0] != g_a.shape[1]:  # one side padded and the other not (the padding is zeros)
+                x_wgrad = x_wgrad[: g_a.shape[1]]
             grad_w = fp8_gemm(g_a, g_scale_inv, x_wgrad, x_scale_inv, cfg.out_dtype, None, False, cfg.backend)
         if needs_wgrad:
             if grad_w.dtype != ctx.weight_dtype:
@@ -146,9 +150,17 @@ def cast_gradient(g: torch.Tensor, history: torch.Tensor, cfg: GemmConfig, write
     noise = torch.rand(g.shape, device=g.device, dtype=torch.float32) if cfg.grad_stochastic else None
     g_fp8, g_t, _, g_scale_inv = kernels.scaled_cast(
         g, history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.grad_scaling, cfg.algo_max, cfg.margin,
-        cfg.power_of_2, write_t=write_t, record=cfg.record, noise=noise,
+        cfg.power_of_2, write_t=write_t, record=cfg.record, noise=noise, pad_to=cfg.pad_to if write_t else 1,
     )
     return g_fp8, g_t, g_scale_inv
+
+
+def token_padding(x2d: torch.Tensor, writes_transpose: bool) -> int:
+    """The multiple x^T's and dY^T's token columns are padded to in the cast that writes them: torch's scaled GEMM
+    takes its contraction in multiples of 16, and the weight-gradient GEMM contracts the tokens; padded in the cast
+    (zeros, in the same pass), the GEMM's planner copies neither operand to pad it. 1 where the cast writes no
+    transpose (the emulation takes any shape) or the tokens are a multiple of 16 already."""
+    return 16 if writes_transpose and x2d.shape[0] % 16 else 1
 
 
 def _fmt(name: str):

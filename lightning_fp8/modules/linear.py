@@ -19,6 +19,7 @@ from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import scaled_cast, tiled_cast
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
 from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
+from lightning_fp8.modules.function import token_padding as per_tensor_token_padding  # tiled_function has its own
 from lightning_fp8.modules.precast import (
     PER_TENSOR_SCALINGS,
     PrecastFP8Input,
@@ -195,16 +196,19 @@ class FP8Layer(nn.Module):
             out = apply_fp8_tiled_gemms(x2d, weight, bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         materialize = needs_wgrad and not recipe.high_precision_wgrad and kernels.materializes_transpose(x2d)
+        pad_to = 1  # x^T's token columns (and dY^T's in backward): padded where the cast writes x^T
         if isinstance(x2d, PrecastFP8Input):
             x_fp8, _, x_scale_inv = x2d.fp8_operands(meta.amax_history, ROLE_INDEX["input"], training)
             x_t = x_fp8.t().contiguous() if materialize else None  # the layout wgrad reads (1 byte per element)
         else:
-            x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize)
+            pad_to = per_tensor_token_padding(x2d, materialize)
+            x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize,
+                                                     pad_to=pad_to)
         if isinstance(weight, PrecastFP8Weight):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
         else:
             w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
-        cfg = GemmConfig.build(recipe, _output_dtype(x), training)
+        cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to)
         out = apply_fp8_gemms(
             x2d, weight, bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
             observer, cfg,
