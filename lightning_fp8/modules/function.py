@@ -130,8 +130,6 @@ class FP8Gemms(torch.autograd.Function):
             grad_w = high_precision_gemm(g.t(), x_wgrad, cfg.out_dtype)
         elif needs_wgrad:
             g_a = g_t if g_t is not None else g_fp8.t()
-            if x_wgrad.shape[0] != g_a.shape[1]:  # one side padded and the other not (the padding is zeros)
-                x_wgrad = x_wgrad[: g_a.shape[1]]
             grad_w = fp8_gemm(g_a, g_scale_inv, x_wgrad, x_scale_inv, cfg.out_dtype, None, False, cfg.backend)
         if needs_wgrad:
             if grad_w.dtype != ctx.weight_dtype:
