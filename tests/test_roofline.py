@@ -119,3 +119,18 @@ def test_conversion_of_a_real_module_is_unchanged_by_recording_it():
     layer = FP8Linear.from_linear(nn.Linear(32, 32), FP8Recipe())
     out = layer(torch.randn(16, 32))
     assert out.device.type == "cpu" and torch.isfinite(out).all()
+
+
+def test_the_filter_works_inside_a_simulation_of_the_same_gpu_and_says_why_not_inside_another():
+    """The model records under `simulate_cuda`, which does not nest: converting a model inside a simulation (as the
+    contract suite does) records under that one, and a simulation of another GPU is refused with the reason."""
+    from lightning_fp8.conversion.roofline import fp8_launches
+    from lightning_fp8.kernels.device import simulate_cuda
+
+    shape = LayerShape(4096, 1024, 3072)
+    fp8_launches.cache_clear()
+    with simulate_cuda((9, 0)):
+        assert fp8_wins(4096, 1024, 3072, "H100")[1].startswith("FP8 faster")
+        fp8_launches.cache_clear()
+        with pytest.raises(RuntimeError, match="inside a simulation of"):
+            fp8_launches(shape, FP8Recipe(), (10, 0))

@@ -90,10 +90,18 @@ def step_seconds(launches: Sequence[Launch], spec) -> float:
 def _record(build, shape: LayerShape, capability: Tuple[int, int]) -> List[Launch]:
     """The launches of one forward + backward of `build(nn.Linear)` on meta tensors taking the CUDA path of
     `capability`. The upstream gradient is made outside the recording (it is the next layer's)."""
-    from lightning_fp8.kernels.device import simulate_cuda
+    import contextlib
+
+    from lightning_fp8.kernels.device import simulate_cuda, simulated_profile
     from lightning_fp8.kernels.trace import record_launches
 
-    with simulate_cuda(capability, triton=importlib.util.find_spec("triton") is not None):
+    active = simulated_profile()  # simulations do not nest: inside one (a test, an offline check), record under it
+    if active is not None and tuple(active.capability) != tuple(capability):
+        raise RuntimeError(f"roofline: cannot record the CUDA path of sm{capability[0]}{capability[1]} inside a "
+                           f"simulation of {active.name}")
+    simulation = (contextlib.nullcontext() if active is not None
+                  else simulate_cuda(capability, triton=importlib.util.find_spec("triton") is not None))
+    with simulation:
         layer = build(nn.Linear(shape.in_features, shape.out_features, bias=False, device="meta",
                                 dtype=torch.bfloat16))
         x = torch.empty(shape.tokens, shape.in_features, device="meta", dtype=torch.bfloat16, requires_grad=True)
