@@ -25,6 +25,10 @@ STEPS = 6  # both faults (steps 1 and 3) and two clean steps after them
 SKIP_STEP = 3  # rank 1's gradients are inf at this step: every rank must skip it
 ROLLBACK_STEP = 1  # rank 0's loss is NaN at this step: every rank must roll back
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+#: how long rank 0 waits for the others to join the process group: a rank can take minutes to start on a loaded
+#: machine (4 ranks on 2 cores beside another test's processes), which is slowness, not a hang; the other workers use
+#: gloo's default (30 minutes) here, and the test's own timeout bounds the whole launch anyway
+JOIN_TIMEOUT = timedelta(seconds=480)
 
 
 def rank() -> int:
@@ -58,9 +62,11 @@ def run_scenarios(scenarios: Dict[str, Callable[[], dict]], out: str) -> None:
     OUT/<scenario>.rank<r>.pt, a scenario's traceback to .error for the test to show."""
     names = sys.argv[2:] or list(scenarios)
     # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
-    # for the mesh's subgroups too (new_group takes the default timeout)
+    # for the mesh's subgroups too (new_group takes the default timeout); joining is given longer (JOIN_TIMEOUT)
     distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", timeout=JOIN_TIMEOUT)
+    dist.barrier()  # every rank has joined: from here on a wait longer than COLLECTIVE_TIMEOUT is a hang
+    distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
     try:
         for name in names:
             prefix = os.path.join(out, f"{name}.rank{rank()}")
