@@ -5,8 +5,7 @@ kernels). `fp8_wins` asks the roofline model (roofline.py) for one training step
 layer's recipe launches on the CUDA path, recorded on meta tensors (not assumed), each timed with the GPU's
 published peaks (`GPU_SPECS`, sources below) and assumed efficiencies, against BF16 nn.Linear's three GEMMs; in eager
 mode a step also takes at least one CPU launch time per kernel. A layer predicted slower in FP8 stays BF16 with the
-prediction as its reason in the precision map. `step_times` is the older closed-form estimate of the same step
-(kept for its callers; the filter no longer uses it).
+prediction as its reason in the precision map.
 
 It is a model with *assumed* efficiencies, not a benchmark (none of its constants has been measured by this
 project yet: no GPU run has happened, see docs/status.md): it keeps 4096x1024x1024-sized layers (and smaller) in
@@ -78,13 +77,6 @@ GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
     ("4090", GPUSpec("RTX 4090", bf16_tflops=165.0, fp8_tflops=330.0, hbm_tbps=1.0, capability=(8, 9))),
 )
 
-#: small kernels per FP8 linear step besides the GEMMs, counted from the op structure (docs/benchmarks.md, "The
-#: pieces"): 3 state-driven casts of 2 launches each (pre-pass or amax pass, then the cast), the weight's re-cast for
-#: dgrad, and the dx / dW conversions from the compute dtype ...
-FP8_EXTRA_LAUNCHES = 3 * 2 + 1 + 2
-#: ... and under torch.compile, where inductor fuses the conversions into neighbouring kernels (the casts stay)
-FP8_EXTRA_LAUNCHES_COMPILED = 3 * 2 + 1
-
 DeviceLike = Union[None, str, torch.device, GPUSpec]
 
 
@@ -116,37 +108,6 @@ def resolve_spec(device: DeviceLike = None) -> Tuple[Optional[GPUSpec], str]:
 
 def _looks_like_device(s: str) -> bool:
     return s.split(":")[0] in ("cpu", "cuda", "meta", "mps", "xpu")
-
-
-def _gemm_s(flops: float, bytes_moved: float, tflops: float, eff: float, spec: GPUSpec) -> float:
-    return max(flops / (tflops * 1e12 * eff), bytes_moved / (spec.hbm_tbps * 1e12 * spec.bw_efficiency)) + spec.launch_s
-
-
-def step_times(m: int, k: int, n: int, spec: GPUSpec, weight_bytes: int = 4, compiled: bool = False) -> Tuple[float, float]:
-    """(bf16_seconds, fp8_seconds) of one forward+backward of an M x K x N linear on `spec` (model, not measured).
-
-    weight_bytes: bytes/element of the high-precision weight and its gradient (4 for fp32 master weights).
-    compiled: the model runs under torch.compile (fewer small launches per cast)."""
-    flops = 2.0 * m * k * n
-    bf16_eff, fp8_eff = spec.bf16_efficiency, spec.fp8_efficiency
-    # BF16: operands and output 2 bytes; wgrad writes the weight gradient in weight_bytes
-    bf16 = (
-        _gemm_s(flops, 2 * (m * k + k * n + m * n), spec.bf16_tflops, bf16_eff, spec)  # fwd
-        + _gemm_s(flops, 2 * (m * n + k * n + m * k), spec.bf16_tflops, bf16_eff, spec)  # dgrad
-        + _gemm_s(flops, 2 * (m * n + m * k) + weight_bytes * k * n, spec.bf16_tflops, bf16_eff, spec)  # wgrad
-        + 2 * spec.launch_s  # autocast's weight cast to bf16 (one launch; its bytes below)
-        + (weight_bytes + 2) * k * n / (spec.hbm_tbps * 1e12 * spec.bw_efficiency)
-    )
-    fp8 = (
-        _gemm_s(flops, (m * k + k * n) + 2 * m * n, spec.fp8_tflops, fp8_eff, spec)
-        + _gemm_s(flops, (m * n + k * n) + 2 * m * k, spec.fp8_tflops, fp8_eff, spec)
-        + _gemm_s(flops, (m * n + m * k) + weight_bytes * k * n, spec.fp8_tflops, fp8_eff, spec)
-    )
-    # fused casts: read the high-precision tensor once, write FP8 in both layouts (2 bytes/element)
-    cast_bytes = (2 + 2) * m * k + (weight_bytes + 2) * k * n + (2 + 2) * m * n
-    launches = FP8_EXTRA_LAUNCHES_COMPILED if compiled else FP8_EXTRA_LAUNCHES
-    fp8 += cast_bytes / (spec.hbm_tbps * 1e12 * spec.bw_efficiency) + launches * spec.launch_s
-    return bf16, fp8
 
 
 def fp8_wins(
@@ -263,7 +224,6 @@ __all__ = [
     "GPU_SPECS",
     "EMULATED_REASON",
     "fp8_wins",
-    "step_times",
     "auto_filter",
     "AutoShapeFilter",
     "shape_skip_reason",
