@@ -652,7 +652,7 @@ def _modules_using_to_host():
 
     names = ["lightning_fp8.engine.engine", "lightning_fp8.engine.checks", "lightning_fp8.engine.gradients",
              "lightning_fp8.engine.scales", "lightning_fp8.engine.distributed"]
-    return [importlib.import_module(name) for name in names]
+    return [module for module in map(importlib.import_module, names) if hasattr(module, "to_host")]
 
 
 @pytest.mark.parametrize("scaling", list(RECIPES) + list(MICROSCALED_RECIPES))
@@ -728,10 +728,7 @@ def test_engine_host_reads_per_iteration(clip, monkeypatch):
         with counter.active(), count_host_reads() as reads:
             _train_iteration(engine, model, opt, counter, clip)
     assert counter.calls == [], counter.calls
-    expected = ["non-finite gradients", "FP8 overflows", "loss", "weights finite"]
-    if clip is not None:
-        expected.insert(1, "gradient norm")
-    assert reads == expected
+    assert reads == ["iteration flags"]  # with clipping too: the norm's flag joins the others
 
 
 # -- compile with the implementations CUDA runs ---------------------------------------------------------------------

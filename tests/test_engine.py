@@ -107,3 +107,88 @@ def test_rollback_restores_the_precision_switch():
     result = _step(engine, model, opt, poison=True)
     assert result.rolled_back
     assert model[1].fp8_enabled is True and bool(model[1].fp8_meta.enabled)  # flag and buffer agree
+
+
+def _nan_writing_step(opt, model):
+    """An optimizer step that writes a NaN into a weight (as an overflowing update would): gradients and loss
+    were finite, so only the weights check can see it."""
+
+    def step():
+        opt.step()
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan")
+
+    return step
+
+
+def _poisoning_iteration(engine, model, opt):
+    opt.zero_grad()
+    engine.scale_loss(model(torch.randn(8, 16)).pow(2).mean()).backward()
+    return engine.step(opt, _nan_writing_step(opt, model))
+
+
+def test_weights_a_step_made_non_finite_roll_back_at_the_next_decision_before_any_other_step():
+    """The weights the step wrote are checked on the device at the close and read with the next decision's flags
+    (the iteration's one read): that decision rolls back, so no optimizer ever steps from the non-finite weights."""
+    from lightning_fp8.engine.host import count_host_reads
+
+    engine, model, opt = _engine_and_model(snapshot_every=4)
+    for _ in range(4):  # the snapshot of iteration 4
+        _step(engine, model, opt)
+    snap = [p.detach().clone() for p in model.parameters()]
+    _step(engine, model, opt)
+    with count_host_reads() as reads:
+        poisoned = _poisoning_iteration(engine, model, opt)  # iteration 6: applied, its weights not read yet
+    assert poisoned.applied and reads == ["iteration flags"]
+    assert not torch.isfinite(model[2].weight).all()
+    stepped = []
+    opt.zero_grad()
+    engine.scale_loss(model(torch.randn(8, 16)).pow(2).mean()).backward()
+    with count_host_reads() as reads:
+        result = engine.step(opt, lambda: stepped.append(1))
+    assert reads == ["iteration flags"]
+    assert stepped == [] and not result.stepped and result.skipped_reason == "non-finite weights"
+    assert result.rolled_back and "non-finite weights" in result.rollback_reason
+    assert engine.events[-1]["restored_to_step"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(snap, model.parameters()))
+
+
+def test_a_snapshot_never_holds_weights_a_step_made_non_finite():
+    """At a snapshot's close the weights are read before the snapshot replaces the last good state (that close's
+    one extra read, every snapshot_every iterations)."""
+    from lightning_fp8.engine.host import count_host_reads
+
+    engine, model, opt = _engine_and_model(snapshot_every=3)
+    for _ in range(3):  # the snapshot of iteration 3
+        _step(engine, model, opt)
+    snap = [p.detach().clone() for p in model.parameters()]
+    _step(engine, model, opt)
+    _step(engine, model, opt)
+    with count_host_reads() as reads:
+        result = _poisoning_iteration(engine, model, opt)  # iteration 6: its close is a snapshot's
+    assert reads == ["iteration flags", "weights finite"]
+    assert result.rolled_back and result.rollback_reason == "non-finite weights"
+    assert engine.snapshot_step == 3 and engine.events[-1]["restored_to_step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(snap, model.parameters()))
+
+
+def test_settle_rolls_back_weights_the_last_step_made_non_finite_before_a_checkpoint():
+    engine, model, opt = _engine_and_model(snapshot_every=4)
+    for _ in range(4):
+        _step(engine, model, opt)
+    snap = [p.detach().clone() for p in model.parameters()]
+    result = _poisoning_iteration(engine, model, opt)  # the run's last step
+    engine.settle()  # what the adapters call before a checkpoint
+    assert result.rolled_back and engine.rollbacks == 1
+    assert all(torch.equal(a, b) for a, b in zip(snap, model.parameters()))
+    engine.settle()  # nothing left to check: no second rollback
+    assert engine.rollbacks == 1
+
+
+def test_check_weights_every_spaces_the_weight_checks():
+    engine, model, opt = _engine_and_model(snapshot_every=100, check_weights_every=3)
+    for _ in range(4):
+        _step(engine, model, opt)
+    _poisoning_iteration(engine, model, opt)  # iteration 5: no check due at its close
+    result = _step(engine, model, opt)  # NaN weights -> NaN loss: caught as such
+    assert result.skipped_reason == "non-finite loss" and result.rolled_back

@@ -1,15 +1,21 @@
 """What an iteration's decision checks besides its gradients: the loss (non-finite, or a spike above its running
-mean) and, after the step, the weights. The engine (engine.py) decides what to do with the answers."""
+mean) and, after the step, the weights; and the one read that brings every flag of a decision to the host
+(`IterationFlags`). The engine (engine.py) decides what to do with the answers.
+
+The checks compute on the device and read nothing: the engine gathers the decision's flags (non-finite gradients or
+gradient norm, non-finite loss, loss spike, every FP8 role's overflow, the weights the previous step wrote) into one
+tensor, MAX-reduces it across ranks on the device and reads it once, with this rank's loss for the spike window (one
+device-to-host synchronisation per iteration, after the backward, where the step waits for the gradients anyway)."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import local_shards, max_across_ranks
+from lightning_fp8.engine.distributed import all_reduce_max_, local_shards, max_across_ranks
 from lightning_fp8.engine.host import to_host
 
 
@@ -28,17 +34,19 @@ class LossRecord:
     def clear(self) -> None:
         self._losses.clear()
 
-    def value(self) -> Optional[float]:
-        """The iteration's loss (mean over its backwards) on the host, or None without a backward."""
+    def device_value(self) -> Optional[torch.Tensor]:
+        """The iteration's loss (mean over its backwards) on the device, or None without a backward."""
         if not self._losses:
             return None
-        return to_host(torch.stack([loss.float().reshape(()) for loss in self._losses]).mean(), "loss")[0]
+        return torch.stack([loss.float().reshape(()) for loss in self._losses]).mean()
 
-    def is_spike(self, value: Optional[float]) -> bool:
+    def spike_threshold(self) -> Optional[float]:
+        """The loss above which this iteration is a spike (`spike_factor` x the running mean), None while the rule is
+        off or its window is still warming up."""
         factor = self.config.spike_factor
-        if factor is None or value is None or len(self.window) < min(self.config.spike_warmup, self.window.maxlen):
-            return False
-        return float(value) > factor * (sum(self.window) / len(self.window))
+        if factor is None or len(self.window) < min(self.config.spike_warmup, self.window.maxlen):
+            return None
+        return factor * (sum(self.window) / len(self.window))
 
     def hold(self, value: Optional[float]) -> None:
         """The decided iteration's loss, to join the window if its update is kept (`accept` at the close)."""
@@ -54,17 +62,59 @@ class LossRecord:
 
 
 @torch.no_grad()
-def weights_finite(model: Optional[nn.Module]) -> bool:
-    """Every parameter of `model` is finite on every rank (one fused norm, one host copy, one collective)."""
-    if model is None:
-        return True
-    params = [p for p in local_shards(model.parameters()) if p.numel()]  # FSDP2: this rank's shards
+def weights_nonfinite(model: Optional[nn.Module]) -> torch.Tensor:
+    """A device flag, 1.0 if a parameter of `model` (this rank's shards under FSDP2) holds inf / NaN: one fused norm
+    over the parameters, nothing read on the host."""
+    params = [p for p in local_shards(model.parameters()) if p.numel()] if model is not None else []
     if not params:
-        params = [torch.zeros(1)]  # an empty shard still joins the flag's all-reduce below, or the ranks would hang
+        return torch.zeros(())  # an empty shard still joins the flags' all-reduce, or the ranks would hang
     device = params[0].device
     norms = torch._foreach_norm(params)
-    all_finite = torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
-    return max_across_ranks(to_host((~all_finite).float(), "weights finite")) == [0.0]
+    return (~torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()).float()
 
 
-__all__ = ["LossRecord", "weights_finite"]
+@torch.no_grad()
+def weights_finite(model: Optional[nn.Module]) -> bool:
+    """Every parameter of `model` is finite on every rank (one fused norm, one host copy, one collective): for the
+    checks that cannot wait for the next decision's flags (before a snapshot overwrites the last good state)."""
+    return max_across_ranks(to_host(weights_nonfinite(model), "weights finite")) == [0.0]
+
+
+class IterationFlags:
+    """A decision's flags, gathered on the device and read in one copy.
+
+    `agree(name, flag)` adds device flags (0 / 1, any shape) every rank must agree on: `read` MAX-reduces them across
+    ranks in one collective on the device, so a flag set on any rank is set on all. `local(name, value)` adds device
+    values read as this rank has them (the loss, for this rank's spike window), NaN included. `read()` returns
+    {name: [floats]} after one `to_host`."""
+
+    def __init__(self) -> None:
+        self._agreed: List[Tuple[str, torch.Tensor]] = []
+        self._local: List[Tuple[str, torch.Tensor]] = []
+
+    def agree(self, name: str, flag: Optional[torch.Tensor], numel: int = 1) -> None:
+        """`flag`, or `numel` zeros where this rank has nothing to flag (the ranks' vectors must match)."""
+        self._agreed.append((name, flag.detach().reshape(-1).float() if flag is not None else torch.zeros(numel)))
+
+    def local(self, name: str, value: Optional[torch.Tensor]) -> None:
+        if value is not None:
+            self._local.append((name, value.detach().reshape(-1).float()))
+
+    def read(self) -> Dict[str, List[float]]:
+        parts = self._agreed + self._local
+        if not parts:
+            return {}
+        on_device = [t for _, t in parts if t.device.type != "cpu"]
+        device = on_device[0].device if on_device else torch.device("cpu")
+        agreed = torch.cat([t.to(device) for _, t in self._agreed]) if self._agreed else torch.zeros(0, device=device)
+        all_reduce_max_([agreed])  # flags are 0 / 1: no NaN to lose in the MAX
+        flat = torch.cat([agreed] + [t.to(device) for _, t in self._local])
+        values = to_host(flat, "iteration flags")
+        out, offset = {}, 0
+        for name, t in parts:
+            out[name] = values[offset : offset + t.numel()]
+            offset += t.numel()
+        return out
+
+
+__all__ = ["LossRecord", "weights_nonfinite", "weights_finite", "IterationFlags"]

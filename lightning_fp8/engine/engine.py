@@ -13,15 +13,18 @@ backward(s) that produced the gradients, then one step of each optimizer. Adapte
     engine.end_iteration()                        at the framework's end of an iteration, before a checkpoint
 
 The first `step` of an iteration decides for all its optimizers: unscale every gradient the iteration produced (the
-model's and every registered optimizer's; gradients.py), check them, the loss and the FP8 amaxes, all-reduce the
-flags once, then step or skip; the other optimizers reuse the decision. The iteration closes once, when every
+model's and every registered optimizer's; gradients.py), check them, the loss, the FP8 amaxes and the weights the
+previous step wrote, all on the device, all-reduce the flags once and read them once (checks.py `IterationFlags`: the
+iteration's one device-to-host read), then step or skip; the other optimizers reuse the decision. The iteration closes once, when every
 registered optimizer has stepped or at the next boundary above: loss-scale update, every layer's scaling step closed
-(taken or not), the iteration counted, the weights checked, a snapshot every `snapshot_every` iterations
+(taken or not), the iteration counted, the weights checked on the device (read at the next decision; read at once
+before a snapshot, which must not replace the last good state with bad weights), a snapshot every `snapshot_every` iterations
 (rollback.py says when its parts are taken). An optimizer stepping after the close with no forward or backward in
 between joins the closed iteration's decision (Fabric's first iteration, before the engine knows every optimizer).
 
 Rollback to the last snapshot happens at the decision for a non-finite loss, a loss spike or too many skips in a row
-(every optimizer of the iteration then skips), and at the close when a step made the weights non-finite; too many
+(every optimizer of the iteration then skips), when the previous step made the weights non-finite (at this decision,
+so no optimizer steps from them; at the close of a snapshot's iteration; at `settle`, before a checkpoint); too many
 rollbacks in a window raise FP8DivergenceError naming the layers whose amax overflowed. What an iteration is in each
 framework and what a rollback restores: docs/plugin.md. (Length: one state machine, the iteration; the parts that
 stand alone live in gradients.py, checks.py, rollback.py and snapshot.py.)
@@ -29,7 +32,6 @@ stand alone live in gradients.py, checks.py, rollback.py and snapshot.py.)
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,10 +42,8 @@ from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.engine import clipping, rollback
-from lightning_fp8.engine.checks import LossRecord, weights_finite
-from lightning_fp8.engine.host import to_host
+from lightning_fp8.engine.checks import IterationFlags, LossRecord, weights_finite, weights_nonfinite
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import max_across_ranks
 from lightning_fp8.engine.gradients import GradientUnscaler, iteration_params
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, SnapshotKeeper
@@ -106,7 +106,10 @@ class FP8TrainingEngine:
         self._snapshots = SnapshotKeeper(enabled=self.config.max_rollbacks > 0)
         self._loss = LossRecord(self.config)
         self._grads = GradientUnscaler(self.scaler)
-        self._grads_nonfinite = False
+        #: device flags of this iteration's gradient norms (clipping): a non-finite norm skips the step
+        self._norm_flags: List[torch.Tensor] = []
+        #: device flag of the weights the last applied step wrote, read with the next decision's flags
+        self._weights_flag: Optional[torch.Tensor] = None
         self._decision: Optional[StepResult] = None  # the open iteration's, once its first optimizer stepped
         self._overflow = False  # the open iteration's overflow flag for the loss scaler
         self._stepped: List[int] = []  # ids of the optimizers the open iteration has stepped (or skipped)
@@ -218,22 +221,23 @@ class FP8TrainingEngine:
         self._loss.record(loss)
         return self.scaler.scale_loss(loss)
 
-    def unscale_(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Unscale the iteration's gradients in place (each once) and note whether any is non-finite."""
+    def unscale_(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[torch.Tensor]:
+        """Unscale the iteration's gradients in place (each once); returns the device flag (1.0 if a gradient
+        unscaled since the last backward is inf / NaN; None if none was), which the decision reads."""
         if optimizer is not None:
             self.register_optimizer(optimizer)
-        self._grads_nonfinite |= self._grads.unscale(iteration_params(self.model, self.optimizers))
+        return self._grads.unscale(iteration_params(self.model, self.optimizers))
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, parameters: Optional[Sequence[torch.Tensor]] = None
     ) -> torch.Tensor:
         """Clip the unscaled gradients of `optimizer` (or of `parameters`, a subset of its parameters) to a global
-        L2 norm of max_norm, the norm computed in float32; a non-finite norm marks the iteration to be skipped."""
+        L2 norm of max_norm, the norm computed in float32; a non-finite norm marks the iteration to be skipped (a
+        device flag the decision reads: nothing is read here)."""
         self.unscale_(optimizer)
         grads = [p.grad for p in (optimizer_params(optimizer) if parameters is None else parameters) if p.grad is not None]
         norm = clipping.clip_grad_norm_(grads, max_norm)
-        if not math.isfinite(to_host(norm, "gradient norm")[0]):
-            self._grads_nonfinite = True
+        self._norm_flags.append((~torch.isfinite(norm.to_local() if hasattr(norm, "to_local") else norm)).float())
         return norm
 
     def clip_grad_value_(
@@ -271,27 +275,27 @@ class FP8TrainingEngine:
     def _decide(self) -> None:
         iteration = self.step_count + 1
         self._snapshots.ensure(self, self.step_count)  # the state before the first step is a valid rollback target
-        self.unscale_()
-        overflow_layers = self._new_overflows()
-        loss_value = self._loss.value()
-        loss_nonfinite = loss_value is not None and not math.isfinite(loss_value)
-        spike = self._loss.is_spike(loss_value) if not loss_nonfinite else False
-        flags = [float(self._grads_nonfinite), float(loss_nonfinite), float(bool(overflow_layers)), float(spike)]
-        # every rank makes the same decision
-        grads_bad, loss_bad, amax_bad, spike = (bool(f) for f in max_across_ranks(flags))
+        flags = self._decision_flags()
+        values = flags.read()  # the iteration's one device-to-host read; every rank reads the same flags
+        grads_bad, loss_bad, spike, weights_bad = (values[name][0] > 0 for name in ("gradients", "loss", "spike", "weights"))
+        overflow_layers = [key for key, flag in zip(self.scales.keys, values.get("overflows", ())) if flag]
+        self.overflow_events.update(overflow_layers)
+        loss_value = values["loss value"][0] if "loss value" in values else None
 
         skip_reason = None
-        if loss_bad:
+        if weights_bad:
+            skip_reason = "non-finite weights"
+        elif loss_bad:
             skip_reason = "non-finite loss"
         elif grads_bad:
             skip_reason = "non-finite gradients"
-        elif amax_bad:
-            skip_reason = "FP8 amax overflow in " + ", ".join(overflow_layers) if overflow_layers else "FP8 amax overflow on another rank"
+        elif overflow_layers:
+            skip_reason = "FP8 amax overflow in " + ", ".join(overflow_layers)
         elif spike:
             skip_reason = "loss spike"
         result = StepResult(skip_reason is None, skip_reason, overflow_layers=overflow_layers, iteration=iteration)
         self._decision, self._stepped, self.last_result = result, [], result
-        self._overflow = grads_bad or amax_bad or loss_bad
+        self._overflow = grads_bad or bool(overflow_layers) or loss_bad
         if result.stepped:
             self.consecutive_skips = 0
             self._loss.hold(loss_value)
@@ -300,12 +304,32 @@ class FP8TrainingEngine:
         self.consecutive_skips += 1
         self._event("skip", skip_reason, overflow_layers, iteration)
         log.info("lightning_fp8: step %d skipped (%s)", iteration, skip_reason)
-        if loss_bad:
+        if weights_bad:
+            self._rollback("non-finite weights (written by the previous step)", result)
+        elif loss_bad:
             self._rollback("non-finite loss", result)
         elif spike:
             self._rollback(f"loss spike above {self.config.spike_factor}x its running mean", result)
         elif self.consecutive_skips >= self.config.max_consecutive_skips:
             self._rollback(f"{self.consecutive_skips} consecutive skipped steps", result)
+
+    def _decision_flags(self) -> IterationFlags:
+        """Everything the decision checks, as device flags (nothing read yet): non-finite gradients or gradient
+        norm, non-finite loss, loss spike, the weights the previous step wrote, every FP8 role's overflow. Every rank
+        adds the same entries in the same order (zeros for what it lacks): the flags are MAX-reduced as one vector."""
+        flags = IterationFlags()
+        grads = [f for f in [self.unscale_()] + self._norm_flags if f is not None]
+        flags.agree("gradients", torch.stack([f.reshape(()).to(grads[0].device) for f in grads]).amax() if grads else None)
+        loss = self._loss.device_value()
+        threshold = self._loss.spike_threshold()
+        finite = torch.isfinite(loss) if loss is not None else None
+        flags.agree("loss", (~finite).float() if loss is not None else None)
+        flags.agree("spike", (finite & (loss > threshold)).float() if loss is not None and threshold is not None else None)
+        flags.agree("weights", self._weights_flag)
+        flags.agree("overflows", self.scales.overflow_flags(), numel=len(self.scales.keys))
+        flags.local("loss value", loss)
+        self._weights_flag, self._norm_flags = None, []
+        return flags
 
     def _apply(self, step_fn: Callable[[], Any]) -> None:
         self._snapshots.fence()  # the step updates in place what a snapshot copy may still be reading
@@ -327,22 +351,27 @@ class FP8TrainingEngine:
             self.scaler.update(overflow=self._overflow)
         self.scales.close_step(taken=result.applied)
         if result.applied:
-            snapshot_due = self.step_count % self.config.snapshot_every == 0
-            if (self._weights_due() or snapshot_due) and not self.weights_finite():
-                self._rollback("non-finite weights", result)
+            if self.step_count % self.config.snapshot_every == 0:
+                # a snapshot replaces the last good state: its weights are checked first, here (the one read of a
+                # close, every snapshot_every iterations)
+                if not self.weights_finite():
+                    self._rollback("non-finite weights", result)
+                else:
+                    self._loss.accept()
+                    self._snapshots.take(self, self.step_count, complete=False)  # copies overlap the next iteration
             else:
                 self._loss.accept()
-                if snapshot_due:  # copies overlap the next iteration's forward and backward
-                    self._snapshots.take(self, self.step_count, complete=False)
+                if self._weights_due():  # read with the next decision's flags, which rolls back before another step
+                    self._weights_flag = weights_nonfinite(self.model)
         self._joinable, self._joined = result, set(self._stepped)
         self._stepped = []
         self._loss.clear()
-        self._grads_nonfinite = False
+        self._norm_flags = []
 
     def _reset_iteration(self) -> None:
         self._decision, self._stepped, self._joinable, self._joined = None, [], None, set()
         self._loss.clear()
-        self._grads_nonfinite = False
+        self._norm_flags, self._weights_flag = [], None
         self._grads.forget()
 
     # -- scales -------------------------------------------------------------------------------------------------
@@ -350,17 +379,24 @@ class FP8TrainingEngine:
         """Close a scaling step outside an iteration (calibration does, once per calibration batch)."""
         self.scales.close_step(taken=True)
 
-    def _new_overflows(self) -> List[str]:
-        overflowed = self.scales.new_overflows()
-        self.overflow_events.update(overflowed)
-        return overflowed
-
     # -- checks -------------------------------------------------------------------------------------------------
     def _weights_due(self) -> bool:
         return self.step_count % self.config.check_weights_every == 0
 
     def weights_finite(self) -> bool:
         return weights_finite(self.model)
+
+    def settle(self) -> None:
+        """Before a checkpoint: check now (one read, one collective: every rank calls it, as every rank saves) the
+        weights the last step wrote, which otherwise the next decision checks, and roll back if they are not
+        finite, so no checkpoint holds them."""
+        self.end_iteration()
+        if self._weights_flag is None:
+            return
+        self._weights_flag = None
+        if not self.weights_finite():
+            result = self.last_result or StepResult(True, iteration=self.step_count)
+            self._rollback("non-finite weights", result)  # that iteration's result now says rolled back
 
     # -- rollback -----------------------------------------------------------------------------------------------
     def snapshot_extra(self) -> Dict[str, Any]:
@@ -381,6 +417,7 @@ class FP8TrainingEngine:
             self._warn_if_no_scheduler()
         self.scaler.backoff()
         self.scales.discard_open_step()  # the restored state is between iterations
+        self._weights_flag = None  # the restored weights were checked before their snapshot
         self.consecutive_skips = 0
         self.resync()  # the counters were restored with the model's buffers
         self._event("rollback", reason, [], iteration, restored_to_step=restored_to)

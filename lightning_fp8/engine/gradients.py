@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from lightning_fp8.engine.distributed import local_shards
-from lightning_fp8.engine.host import to_host
 from lightning_fp8.engine.loss_scaler import LossScaler
 
 
@@ -34,12 +33,14 @@ class GradientUnscaler:
         self.scaler = scaler
         #: id(param) -> (param, the gradient tensor that was unscaled), both weak
         self._unscaled: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
-        #: an unscaled gradient was inf / NaN (it stays so until the next backward re-checks it)
-        self._found_inf = False
+        #: whether a gradient unscaled since the last backward was inf / NaN: a device flag (1.0 if so), None while
+        #: none was unscaled. Nothing here reads it: the engine reads it with the iteration's other flags, once
+        self._found_inf: Optional[torch.Tensor] = None
 
-    def unscale(self, params: Iterable[torch.Tensor]) -> bool:
+    def unscale(self, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
         """Divide by the loss scale every gradient of `params` not unscaled yet since the last backward (one fused
-        pass); True if any gradient unscaled since the last backward is inf / NaN (one device-to-host copy)."""
+        pass); returns the device flag of every gradient unscaled since the last backward (1.0 if any is inf /
+        NaN), None if none was. Nothing is read on the host."""
         todo = []
         for p in params:
             grad = p.grad
@@ -50,8 +51,10 @@ class GradientUnscaler:
         if todo:
             # on each rank's part of sharded gradients (DTensors of FSDP2 and tensor parallelism, on different meshes,
             # next to plain tensors): unscaling is elementwise, and the engine MAX-reduces the flag across ranks
-            found = self.scaler.unscale_and_check(local_shards(todo))
-            self._found_inf |= to_host(found, "non-finite gradients")[0] > 0
+            found = self.scaler.unscale_and_check(local_shards(todo)).reshape(())
+            if self._found_inf is not None:
+                found = torch.maximum(self._found_inf, found.to(self._found_inf.device))
+            self._found_inf = found
         return self._found_inf
 
     @torch.no_grad()
@@ -71,7 +74,7 @@ class GradientUnscaler:
     def forget(self) -> None:
         """Forget every gradient (a state was loaded: gradients from before it mean nothing)."""
         self._unscaled.clear()
-        self._found_inf = False
+        self._found_inf = None
 
     def _is_unscaled(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
         entry = self._unscaled.get(id(p))

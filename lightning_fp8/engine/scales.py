@@ -3,8 +3,9 @@
 The engine (engine.py) decides *when* a step ends and whether it was taken; this object does what ending it means for
 the scales, for all layers together:
 
-    overflows = scales.new_overflows()      before the skip decision: the (layer, role) casts that overflowed in
-                                            the step in progress (one device-to-host copy)
+    flags = scales.overflow_flags()         before the skip decision: one device flag per (layer, role), set if its
+                                            casts overflowed in the step in progress (nothing read; the engine
+                                            reads them with the decision's other flags, `scales.keys` names them)
     scales.close_step(taken=...)            after it: the step's amaxes and overflow / clip flags MAX-reduced
                                             across ranks (one collective), the counters (identical on every rank:
                                             an event on any rank counts on all), and the histories advanced (a taken step) or
@@ -17,12 +18,11 @@ layers (tests/test_overhead.py counts them). The rules are in lightning_fp8/nume
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from lightning_fp8.engine.distributed import all_reduce_max_
-from lightning_fp8.engine.host import to_host
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.numerics.scaling import advance_history, step_flags
 from lightning_fp8.recipe import ROLES
@@ -45,15 +45,15 @@ class ModelScales:
 
     # -- per step -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def new_overflows(self) -> List[str]:
-        """"fqn.role" of every role whose casts overflowed in the step in progress (inf / NaN amax, or an unscaled
-        role's saturation). Reads the open history slots; one device-to-host copy."""
+    def overflow_flags(self) -> Optional[torch.Tensor]:
+        """One device flag per `keys` entry ("fqn.role"), set if that role's casts overflowed in the step in
+        progress (inf / NaN amax, or an unscaled role's saturation), from the open history slots; None without FP8
+        layers. Nothing is read on the host."""
         if not self.layers:
-            return []
+            return None
         histories = self._histories()
         _, overflow, _ = step_flags(torch.stack(histories), **self._recipe_constants(histories[0].device))
-        flags = to_host(overflow, "FP8 overflows")
-        return [key for key, flag in zip(self.keys, flags) if flag]
+        return overflow.reshape(-1)
 
     @torch.no_grad()
     def close_step(self, taken: bool = True) -> None:

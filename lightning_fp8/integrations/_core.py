@@ -155,8 +155,9 @@ class FP8PrecisionCore:
     # -- checkpoint state ---------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Engine state (loss scaler, counters, events) and every FP8 layer's metadata (`fp8_state_dict`), which the
-        model's own state_dict leaves out. An open iteration is closed first: a checkpoint holds whole iterations."""
-        self.engine.end_iteration()
+        model's own state_dict leaves out. An open iteration is closed first and the last step's weights checked (a
+        rollback if they are not finite): a checkpoint holds whole, good iterations."""
+        self.engine.settle()
         state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
         if self.options.recipe == "auto":
             state["auto_recipe"] = self.recipe_choice.to_dict()

@@ -270,7 +270,7 @@ class FP8AcceleratorMixin:
 
     def save_state(self, *args: Any, **kwargs: Any):
         if self._fp8_core is not None:
-            self._fp8_core.engine.end_iteration()  # the checkpoint holds whole iterations
+            self._fp8_core.engine.settle()  # the checkpoint holds whole iterations, their weights checked
         with self._scaler_hidden():
             return super().save_state(*args, **kwargs)
 
