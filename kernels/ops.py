@@ -184,14 +184,15 @@ def scaled_cast_op(
     write_t: bool,
     record: bool,
     pad_to: int = 1,
+    history_sized: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t,
-                                 record, pad_to)
+                                 record, pad_to, history_sized)
 
 
 def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record,
-                      pad_to):
+                      pad_to, history_sized):
     f = get_format(fmt)
     if triton_enabled_for(x):
         from lightning_fp8.kernels.triton_cast import launch_scaled_cast
@@ -210,6 +211,7 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
             seed=seed,
             hw_cast=not use_soft_cast(x),
             pad_to=pad_to,
+            history_sized=history_sized,
         )
         out = out.view(f.dtype)
         out_t = out_t.view(f.dtype) if out_t is not None else _empty(x, f.dtype)
@@ -230,7 +232,7 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
 
 @scaled_cast_op.register_fake
 def _scaled_cast_fake(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record,
-                      pad_to=1):
+                      pad_to=1, history_sized=False):
     torch._check(x.dim() == 2, lambda: "scaled_cast expects a 2-D tensor")
     dtype = get_format(fmt).dtype
     m, n = x.shape
@@ -261,9 +263,14 @@ def scaled_cast(
     noise: Optional[Tensor] = None,
     seed: Optional[Tensor] = None,
     pad_to: int = 1,
+    history_sized: bool = False,
 ):
     """Python face of `lightning_fp8::scaled_cast` for a 2-D `x`: (x_fp8, x_fp8^T or None, scale, scale_inv).
-    `pad_to` (1, 2, 4, 8 or 16): where x^T is written, its token columns are zero-padded to a multiple of it."""
+    `pad_to` (1, 2, 4, 8 or 16): where x^T is written, its token columns are zero-padded to a multiple of it.
+    `history_sized`: the caller knows the role's history sizes a delayed scale (a completed step with a non-zero
+    amax: the engine reads that with its once-per-iteration flags), so the delayed cast skips its amax pre-pass,
+    one launch less; the result is the same either way (the pre-pass then measures nothing the scale uses). Wrong
+    only if the history was emptied behind the caller's back: that cast's scale is then 1 instead of current."""
     if pad_to not in (1, 2, 4, 8, 16):
         raise ValueError(f"scaled_cast: pad_to must be one of [1, 2, 4, 8, 16], got {pad_to!r}")
     if scaling not in SCALINGS:
@@ -272,7 +279,8 @@ def scaled_cast(
         raise ValueError(f"scaled_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
     name = fmt if isinstance(fmt, str) else fmt.name
     out, out_t, scale, scale_inv = torch.ops.lightning_fp8.scaled_cast(
-        x.detach(), history, role, name, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record, pad_to
+        x.detach(), history, role, name, scaling, algo_max, margin, power_of_2, noise, seed, write_t, record, pad_to,
+        history_sized,
     )
     return out, (out_t if out_t.numel() or x.numel() == 0 else None) if write_t else None, scale, scale_inv
 

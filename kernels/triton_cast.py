@@ -479,6 +479,7 @@ def launch_scaled_cast(
     seed: Optional[torch.Tensor] = None,
     hw_cast: bool = True,
     pad_to: int = 1,
+    history_sized: bool = False,
 ):
     """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
     contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`). `pad_to`
@@ -486,7 +487,8 @@ def launch_scaled_cast(
     contracts the tokens, which torch's scaled GEMM takes in multiples of 16).
 
     Launches: current scaling 2 (the amax pre-pass, then the cast); delayed scaling 2 (a pre-pass that reads
-    nothing once the history sizes the scale, then the cast); no scaling 1. Nothing else: the outputs
+    nothing once the history sizes the scale, then the cast), 1 when the caller knows the history sizes the scale
+    (`history_sized`: the cast then derives the scale from the history alone, the same scale); no scaling 1. Nothing else: the outputs
     are allocated, never filled (the kernels write every element). Returns (out uint8 [M,N], out_t uint8 [N,M'] or
     None, scale 0-d, scale_inv 0-d)."""
     assert x.dim() == 2 and hist.dim() == 1 and hist.is_contiguous()
@@ -504,7 +506,7 @@ def launch_scaled_cast(
     scale_inv_out = torch.empty((), dtype=torch.float32, device=device)
     consts = dict(hist=hist, scaling=code, algo_max=algo_max, margin=margin, power_of_2=power_of_2)
     partials = None
-    if code in (1, 2):
+    if code == 2 or (code == 1 and not history_sized):
         bm, bn = _blocks(m, n, False)
         partials = torch.empty((min(PARTIALS, triton.cdiv(m, bm) * triton.cdiv(n, bn)),), dtype=torch.int32,
                                device=device)

@@ -192,3 +192,30 @@ def test_check_weights_every_spaces_the_weight_checks():
     _poisoning_iteration(engine, model, opt)  # iteration 5: no check due at its close
     result = _step(engine, model, opt)  # NaN weights -> NaN loss: caught as such
     assert result.skipped_reason == "non-finite loss" and result.rolled_back
+
+
+def test_the_decision_tells_the_layers_which_histories_size_a_delayed_scale():
+    """The decision's one read carries, per layer role, whether its history sizes a delayed scale; the layers' delayed
+    casts then skip their amax pre-pass (tests/test_launch_budget.py counts that launch). The knowledge is dropped
+    wherever the histories are replaced: a rollback, a load of FP8 state."""
+    from lightning_fp8 import fp8_state_dict, load_fp8_state_dict
+
+    engine, model, opt = _engine_and_model(max_consecutive_skips=1)
+    metas = [layer.fp8_meta for layer in engine.layers.values()]
+    assert metas
+    assert all(meta.history_sized == [False] * 3 for meta in metas)
+    _step(engine, model, opt)  # the first decision: nothing completed yet
+    assert all(meta.history_sized == [False] * 3 for meta in metas)
+    _step(engine, model, opt)  # the first step's amaxes are in the histories now
+    assert all(meta.history_sized == [True] * 3 for meta in metas)
+    state = fp8_state_dict(model)
+    result = _step(engine, model, opt, poison=True)  # one skip is the limit here: rolled back
+    assert result.rolled_back
+    assert all(meta.history_sized == [False] * 3 for meta in metas)
+    _step(engine, model, opt)  # the restored histories are those of the first snapshot, before any step
+    assert all(meta.history_sized == [False] * 3 for meta in metas)
+    _step(engine, model, opt)
+    assert all(meta.history_sized == [True] * 3 for meta in metas)
+    load_fp8_state_dict(model, state)
+    assert all(meta.history_sized == [False] * 3 for meta in metas)
+

@@ -18,6 +18,7 @@ Statistical tests use 6 standard deviations of the binomial / uniform estimate.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import subprocess
@@ -678,8 +679,11 @@ _SCALE_DERIVATION_CASES.append(("none", "filled", False))
 def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling, history, power_of_2):
     """launch_scaled_cast derives the scale inside the kernel from the history (and a pre-pass amax): bit-exact
     with numerics.scaling.cast_scale, the same bytes, the same open-slot amax (NaN kept), for both formats; inputs
-    with -0 and subnormals, then with a NaN or an inf (the amax is unusable: the scale falls back)."""
+    with -0 and subnormals, then with a NaN or an inf (the amax is unusable: the scale falls back). A delayed cast
+    whose history sizes the scale runs also as the engine has it (`history_sized`: no pre-pass): the same result."""
     from lightning_fp8.kernels.reference import scaled_cast_reference
+
+    sized_options = (False, True) if scaling == "delayed" and history != "empty" else (False,)
 
     for fmt, margin in ((E4M3, 0), (E5M2, 2)):
         hist = torch.zeros(3, 9)
@@ -688,22 +692,21 @@ def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling
         algo_max = history != "most_recent"
         inputs = ((with_specials(wide_random((33, 70), seed=2).clamp(-3e4, 3e4), special_values()[4:8]),
                    float("nan")), (torch.randn(16, 32) * 5, -float("inf")))
-        for x, special in inputs:
-            for with_special in (False, True):
-                x = x.clone()
-                if with_special:
-                    x[1, 1] = special
-                h_kernel, h_ref = hist.clone(), hist.clone()
-                out, out_t, scale, scale_inv = triton_interp.launch_scaled_cast(
-                    x, h_kernel[1], fmt, scaling, algo_max, margin, power_of_2, write_t=True, record=True,
-                    hw_cast=False,
-                )
-                ref, ref_scale = scaled_cast_reference(x, h_ref, 1, fmt, scaling, algo_max, margin, power_of_2)
-                assert torch.equal(scale, ref_scale), (scale, ref_scale)
-                assert torch.equal(scale_inv, ref_scale.reciprocal())
-                assert_same_fp8(out.view(fmt.dtype), ref)
-                assert_same_fp8(out_t.view(fmt.dtype), ref.t().contiguous())
-                assert torch.equal(h_kernel.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
+        for (x, special), with_special, sized in itertools.product(inputs, (False, True), sized_options):
+            x = x.clone()
+            if with_special:
+                x[1, 1] = special
+            h_kernel, h_ref = hist.clone(), hist.clone()
+            out, out_t, scale, scale_inv = triton_interp.launch_scaled_cast(
+                x, h_kernel[1], fmt, scaling, algo_max, margin, power_of_2, write_t=True, record=True,
+                hw_cast=False, history_sized=sized,
+            )
+            ref, ref_scale = scaled_cast_reference(x, h_ref, 1, fmt, scaling, algo_max, margin, power_of_2)
+            assert torch.equal(scale, ref_scale), (scale, ref_scale)
+            assert torch.equal(scale_inv, ref_scale.reciprocal())
+            assert_same_fp8(out.view(fmt.dtype), ref)
+            assert_same_fp8(out_t.view(fmt.dtype), ref.t().contiguous())
+            assert torch.equal(h_kernel.nan_to_num(-1.0), h_ref.nan_to_num(-1.0))
 
 
 @interp

@@ -70,13 +70,18 @@ RECIPES = {
 
 
 def layer_launches(recipe: FP8Recipe, bias: bool = False, tokens: int = TOKENS,
-                   capability: Tuple[int, int] = (9, 0)) -> Tuple[List[str], List[str], List[str]]:
+                   capability: Tuple[int, int] = (9, 0), under_engine: bool = False) -> Tuple[List[str], List[str], List[str]]:
     """(forward launch names, backward launch names, engine host reads) of one training step of an FP8Linear on meta
     tensors taking the CUDA path of `capability` with the Triton casts. The upstream gradient is made outside the
-    recording (it is the next layer's)."""
+    recording (it is the next layer's). `under_engine`: the layer as FP8TrainingEngine leaves it after a decision
+    whose flags said every history sizes a delayed scale (`ModelScales.learn_sizes`): the engine closes the scaling
+    steps, and delayed casts skip their amax pre-pass (tests/test_engine.py checks that the engine does this)."""
     with simulate_cuda(capability, triton=True), count_host_reads() as reads:
         layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(device="meta", dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(layer, recipe)
+        if under_engine:
+            fp8.autoupdate_scales = False
+            fp8.fp8_meta.history_sized = [True, True, True]
         x = torch.randn(tokens, IN_FEATURES, device="meta", dtype=torch.bfloat16, requires_grad=True)
         with record_launches() as forward:
             y = fp8(x)
@@ -90,6 +95,30 @@ def layer_launches(recipe: FP8Recipe, bias: bool = False, tokens: int = TOKENS,
 def test_launches_of_a_layer_step_are_the_structure_stated_above(name):
     forward, backward, _ = layer_launches(RECIPES[name])
     assert (forward, backward) == EXPECTED[name]
+
+
+#: recipe -> (forward, backward) launches under the engine once the histories size the delayed scales
+EXPECTED_UNDER_ENGINE = {
+    "delayed": (["cast", "cast", "_scaled_mm"], ["cast", "cast", "_scaled_mm", "_scaled_mm"]),
+    "current": (["amax", "cast", "amax", "cast", "_scaled_mm"], ["amax", "cast", "cast", "_scaled_mm", "_scaled_mm"]),
+    "rowwise": (["colwise", "rowwise_cast", "rowwise_cast", "_scaled_mm"],
+                ["colwise", "rowwise_cast", "colwise", "_scaled_mm", "_scaled_mm"]),
+    "blockwise": (["block_cast", "block_cast", "_scaled_mm_v2"],
+                  ["block_cast", "block_cast", "_scaled_mm_v2", "_scaled_mm_v2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_launches_of_a_layer_step_under_the_engine(name):
+    """What a training step launches under FP8Precision / FP8TrainingEngine: no close_step in the forward, and the
+    default recipe (per-tensor delayed) at 7, Transformer Engine's 6 plus the backward's W^T re-cast; current
+    scaling keeps its amax pre-passes (the scale needs this tensor's amax before any element is cast)."""
+    forward, backward, _ = layer_launches(RECIPES[name], under_engine=True)
+    assert (forward, backward) == EXPECTED_UNDER_ENGINE[name]
+    if name == "delayed":
+        assert len(forward) + len(backward) == 7
+    if name in ("rowwise", "blockwise"):
+        assert len(forward) + len(backward) <= 9
 
 
 def test_fine_grained_blockwise_is_within_the_budget_of_nine():

@@ -278,7 +278,8 @@ class FP8TrainingEngine:
         flags = self._decision_flags()
         values = flags.read()  # the iteration's one device-to-host read; every rank reads the same flags
         grads_bad, loss_bad, spike, weights_bad = (values[name][0] > 0 for name in ("gradients", "loss", "spike", "weights"))
-        overflow_layers = [key for key, flag in zip(self.scales.keys, values.get("overflows", ())) if flag]
+        overflow_layers = [key for key, flag in zip(self.scales.keys, values["overflows"]) if flag]
+        self.scales.learn_sizes(values["sized"])  # the next forward's delayed casts skip their amax pre-pass
         self.overflow_events.update(overflow_layers)
         loss_value = values["loss value"][0] if "loss value" in values else None
 
@@ -327,6 +328,7 @@ class FP8TrainingEngine:
         flags.agree("spike", (finite & (loss > threshold)).float() if loss is not None and threshold is not None else None)
         flags.agree("weights", self._weights_flag)
         flags.agree("overflows", self.scales.overflow_flags(), numel=len(self.scales.keys))
+        flags.agree("sized", self.scales.sized_flags(), numel=len(self.scales.keys))
         flags.local("loss value", loss)
         self._weights_flag, self._norm_flags = None, []
         return flags
@@ -417,6 +419,7 @@ class FP8TrainingEngine:
             self._warn_if_no_scheduler()
         self.scaler.backoff()
         self.scales.discard_open_step()  # the restored state is between iterations
+        self.scales.forget_sizes()  # the restored histories are not the ones the decision read
         self._weights_flag = None  # the restored weights were checked before their snapshot
         self.consecutive_skips = 0
         self.resync()  # the counters were restored with the model's buffers
@@ -468,5 +471,6 @@ class FP8TrainingEngine:
         self._loss.load(state.get("loss_window", []))
         self.events = list(state.get("events", []))
         self._reset_iteration()
+        self.scales.forget_sizes()
         self._snapshots.drop()  # a fresh snapshot is taken at the next decision
 

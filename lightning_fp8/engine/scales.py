@@ -24,7 +24,7 @@ import torch
 
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.numerics.scaling import advance_history, step_flags
+from lightning_fp8.numerics.scaling import advance_history, reference_amax, step_flags
 from lightning_fp8.recipe import ROLES
 
 _CONSTANTS = ("fp8_max", "scaled", "delayed", "algo_max", "margin", "power_of_2")
@@ -54,6 +54,30 @@ class ModelScales:
         histories = self._histories()
         _, overflow, _ = step_flags(torch.stack(histories), **self._recipe_constants(histories[0].device))
         return overflow.reshape(-1)
+
+    @torch.no_grad()
+    def sized_flags(self) -> Optional[torch.Tensor]:
+        """One device flag per `keys` entry, set if that role's history sizes a delayed scale (a completed step with a
+        non-zero amax: `reference_amax` > 0). Once set it stays so while the history is only advanced (a step
+        shifts in a non-zero amax or nothing), so the engine reads these with its decision's flags and tells the
+        layers (`learn_sizes`): their delayed casts then skip the amax pre-pass."""
+        if not self.layers:
+            return None
+        stacked = torch.stack(self._histories())
+        algo_max = self._recipe_constants(stacked.device)["algo_max"]
+        return (reference_amax(stacked, algo_max) > 0).reshape(-1)
+
+    def learn_sizes(self, flags: List[float]) -> None:
+        """Tell each layer which of its roles' histories size a delayed scale (`sized_flags`, read on the host)."""
+        roles = len(ROLES)
+        for i, layer in enumerate(self.layers.values()):
+            layer.fp8_meta.history_sized = [bool(f) for f in flags[i * roles : (i + 1) * roles]]
+
+    def forget_sizes(self) -> None:
+        """The histories were replaced (a rollback, a load): every delayed cast takes its pre-pass until the next
+        decision has read them again."""
+        for layer in self.layers.values():
+            layer.fp8_meta.forget_sizes()
 
     @torch.no_grad()
     def close_step(self, taken: bool = True) -> None:

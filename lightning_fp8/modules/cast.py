@@ -64,6 +64,7 @@ def scaled_cast(
         record=record,
         noise=noise,
         pad_to=pad_to,
+        history_sized=record and meta.history_sized[ROLE_INDEX[role]],
     )
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_fp8.modules.cast import scaled_cast
 from lightning_fp8.modules.conv_function import fine_grained_conv, per_tensor_conv
 from lightning_fp8.modules.conv_layout import ConvGeometry, is_channels_last
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.function import GemmConfig
 from lightning_fp8.modules.linear import FP8Layer, _output_dtype
 from lightning_fp8.recipe import FP8Recipe
@@ -101,7 +102,7 @@ class FP8ConvNd(FP8Layer):
             x_fp8, x_scale_inv = _cast_input(x4, meta, recipe, training)
             w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight.reshape(weight.shape[0], -1), meta, recipe, "weight",
                                                          training)
-            cfg = GemmConfig.build(recipe, out_dtype, training)
+            cfg = GemmConfig.build(recipe, out_dtype, training, grad_history_sized=meta.history_sized[ROLE_INDEX["grad_output"]])
             y = per_tensor_conv(x4, w4, bias, x_fp8, x_scale_inv, w_fp8.view(w4.shape), w_scale, w_scale_inv,
                                 meta.amax_history, observer, cfg, geometry)
         # the output in the layout nn.Conv2d gives it: channels-last where the input or the weight is

@@ -13,7 +13,7 @@ margin, ...) are kept as non-persistent buffers so the per-step update runs on t
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -34,12 +34,18 @@ class FP8LinearMeta(nn.Module):
         self.register_buffer("overflow_count", torch.zeros(n, dtype=torch.int64, device=device))
         self.register_buffer("clip_count", torch.zeros(n, dtype=torch.int64, device=device))
         self.register_buffer("enabled", torch.ones((), dtype=torch.bool, device=device))
+        #: per role, whether the amax history is known to size a delayed scale: host-side knowledge, no buffer. The
+        #: engine learns it with its once-per-iteration flags (engine/scales.py); a delayed cast then skips its amax
+        #: pre-pass (kernels/ops.py `scaled_cast`). False, the safe default (a pre-pass), whenever the history may
+        #: have been replaced: a reset, a load, a recipe change, a rollback
+        self.history_sized: List[bool] = [False] * n
         self.set_recipe(recipe)
 
     # -- recipe constants ----------------------------------------------------------------------------------------
     def set_recipe(self, recipe: FP8Recipe) -> None:
         """Adopt a recipe: per-role constants on the device, the history resized if the length changed."""
         self.recipe = recipe
+        self.forget_sizes()
         device = self.amax_history.device
         fmts = [recipe.format_for(role) for role in ROLES]
         constants = {
@@ -54,6 +60,10 @@ class FP8LinearMeta(nn.Module):
             self.register_buffer(f"recipe_{name}", value, persistent=False)
         if self.amax_history.shape[1] != recipe.amax_history_len + 1:
             self.amax_history = _resize_history(self.amax_history, recipe.amax_history_len + 1)
+
+    def forget_sizes(self) -> None:
+        """The histories may no longer size a delayed scale: the next delayed casts take their pre-pass."""
+        self.history_sized = [False] * len(ROLES)
 
     def constants(self) -> Dict[str, torch.Tensor]:
         """The per-role recipe constants close_step takes (fp8_max, scaled, delayed, algo_max, margin, power_of_2)."""
@@ -83,6 +93,7 @@ class FP8LinearMeta(nn.Module):
         """Forget the amax history (the counters are the layer's record and stay): the next casts use current
         scaling, as a fresh layer's do."""
         self.amax_history.zero_()
+        self.forget_sizes()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -108,6 +119,7 @@ class FP8LinearMeta(nn.Module):
             elif name == "amax_history" and state_dict[key].shape != buf.shape:
                 state_dict[key] = _resize_history(state_dict[key], buf.shape[1])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.forget_sizes()
 
 
 class RoleState:

@@ -49,9 +49,11 @@ class GemmConfig(NamedTuple):
     backend: str
     hp_wgrad: bool = False  # weight_grad="high_precision"
     pad_to: int = 1  # dY^T's token columns padded to a multiple of it, as the forward padded x^T's (`token_padding`)
+    grad_history_sized: bool = False  # the engine knows dY's history sizes a delayed scale: no amax pre-pass
 
     @staticmethod
-    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool, pad_to: int = 1) -> "GemmConfig":
+    def build(recipe: FP8Recipe, out_dtype: torch.dtype, record: bool, pad_to: int = 1,
+              grad_history_sized: bool = False) -> "GemmConfig":
         return GemmConfig(
             out_dtype=out_dtype,
             weight_fmt=recipe.format_for("weight").name,
@@ -66,6 +68,7 @@ class GemmConfig(NamedTuple):
             backend=recipe.backend,
             hp_wgrad=recipe.high_precision_wgrad,
             pad_to=pad_to,
+            grad_history_sized=record and grad_history_sized,
         )
 
 
@@ -149,6 +152,7 @@ def cast_gradient(g: torch.Tensor, history: torch.Tensor, cfg: GemmConfig, write
     g_fp8, g_t, _, g_scale_inv = kernels.scaled_cast(
         g, history, ROLE_INDEX["grad_output"], cfg.grad_fmt, cfg.grad_scaling, cfg.algo_max, cfg.margin,
         cfg.power_of_2, write_t=write_t, record=cfg.record, noise=noise, pad_to=cfg.pad_to if write_t else 1,
+        history_sized=cfg.grad_history_sized,
     )
     return g_fp8, g_t, g_scale_inv
 

@@ -208,7 +208,7 @@ class FP8Layer(nn.Module):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
         else:
             w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
-        cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to)
+        cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to, meta.history_sized[ROLE_INDEX["grad_output"]])
         out = apply_fp8_gemms(
             x2d, weight, bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
             observer, cfg,
