@@ -77,8 +77,10 @@ def markdown(result: dict) -> str:
     lines = [f"# Roofline model: FP8 / BF16 per linear layer training step ({result['date']})", "",
              "**A model, not a measurement** (no GPU has run this project's code): written by "
              "`python benchmarks/roofline.py`; the model is lightning_fp8/conversion/roofline.py. Each FP8 step's "
-             "kernels are recorded from our CUDA path on meta tensors (as the engine runs it: the per-layer scale "
-             "close is one pass for all layers per iteration and is left out), each kernel timed as "
+             "kernels are recorded from our CUDA path on meta tensors (as the engine runs it in steady state: the "
+             "per-layer scale close is one pass for all layers per iteration and is left out, and delayed casts "
+             "skip their amax pre-pass once the engine's decision read says the history sizes the scale), each "
+             "kernel timed as "
              "max(FLOPs / (peak x efficiency), bytes / (HBM x efficiency), "
              f"{result['min_kernel_s'] * 1e6:.0f} us), summed. BF16: nn.Linear's three GEMMs on BF16 operands. "
              "TE: the same model on Transformer Engine's documented structure (a fused cast + transpose per "
@@ -146,11 +148,10 @@ def _what_keeps_it_lower(result: dict) -> str:
             f"{spec['bf16_efficiency']} BF16) the ceiling is {ceiling:.2f}x before any cast; the casts take "
             f"{sum(t for _, t in casts):.0f} us, the largest being dY's ({largest[1]:.0f} us: the "
             f"{shape['tokens']} x {shape['out_features']} gradient read once in BF16 and written in both FP8 "
-            "layouts), then the backward's re-cast of W^T (Transformer Engine keeps the forward's transpose instead) "
-            "and the delayed pre-passes (launches that read nothing). What would remove them: fusing dY's cast into "
-            "the kernel that produces dY (the next layer's backward epilogue; torchao's roofline models the same "
-            "fusion), keeping W^T from forward, and the engine telling the casts that the history sizes the scale "
-            "(no pre-pass); what would move the ceiling: the FP8 GEMM efficiency measured on a GPU (benchmarks/linear.py) "
+            "layouts), then the backward's re-cast of W^T (Transformer Engine keeps the forward's transpose instead). "
+            "What would remove them: fusing dY's cast into the kernel that produces dY (the next layer's backward "
+            "epilogue; torchao's roofline models the same fusion) and keeping W^T from forward; what would move "
+            "the ceiling: the FP8 GEMM efficiency measured on a GPU (benchmarks/linear.py) "
             "instead of assumed.")
 
 

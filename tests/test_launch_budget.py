@@ -18,18 +18,18 @@ The reference structure is Transformer Engine's: one fused cast (+ transpose, + 
                                                GEMM; backward: block_cast (dY, both layouts), block_cast (W^T), 2
                                                GEMMs                                                    = 8
 
-Where these exceed issue 24's budget (per-tensor <= 7, fine-grained <= 9), the launches that keep them above it:
-- `close_step`: a layer used without the engine closes its scaling step in its own forward (one tiny kernel); under
-  FP8TrainingEngine / FP8Precision the engine closes every layer's step at once and the forward has none.
-- per-tensor `amax` pre-passes: current scaling needs the tensor's amax before any element is cast (two passes over x
-  are the lower bound without a grid-wide barrier; Transformer Engine's current scaling launches two as well). For
-  delayed scaling the pre-pass reads nothing once the history sizes the scale, but it is still a launch: removing it
-  needs the host to know the history sizes the scale, which the engine's one-read-per-iteration flags would carry
-  (not built yet).
+Under the engine (FP8Precision / FP8TrainingEngine: `EXPECTED_UNDER_ENGINE`) the forward has no close_step (the engine
+closes every layer's step at once) and delayed casts skip their amax pre-pass once the engine's once-per-iteration
+read says the history sizes the scale: per-tensor delayed 7 (issue 24's budget), current 10, rowwise 9, blockwise 7.
+What keeps them above Transformer Engine's 6:
 - the backward's W^T cast: the weight is re-cast with the forward's scale instead of keeping its FP8 transpose from
   forward (one byte per weight element less held between forward and backward; Transformer Engine keeps it).
+- current scaling's amax pre-passes: the scale needs the tensor's amax before any element is cast (two passes over x
+  are the lower bound without a grid-wide barrier; Transformer Engine's current scaling launches two as well).
 - rowwise x and dY in both layouts: x^T's rows are x's columns, whose amaxes need the whole column before one
   element is cast, so a second pass is the lower bound there (a column pass that casts x^T, then a row pass).
+A layer used without an engine adds its own close_step (one tiny kernel) and, for delayed scaling, the pre-passes
+(it cannot know on the host whether its history sizes the scale without a read): `EXPECTED`.
 """
 from __future__ import annotations
 

@@ -116,16 +116,22 @@ def _record(build, shape: LayerShape, capability: Tuple[int, int]) -> List[Launc
 @functools.lru_cache(maxsize=256)
 def fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, int]) -> Tuple[Launch, ...]:
     """What an FP8Linear of `recipe` launches for one training step (bf16 activations and weight), as the engine
-    runs it: the layer's own scale close is left out (the engine closes every layer's step in one pass per
-    iteration)."""
+    runs it in steady state: no scale close of its own (the engine closes every layer's step in one pass per
+    iteration) and, its decisions having read that every history sizes a delayed scale, no amax pre-pass in a
+    delayed cast."""
     import warnings
 
     from lightning_fp8.modules.linear import FP8Linear
 
+    def as_the_engine_runs_it(linear: nn.Linear) -> FP8Linear:
+        layer = FP8Linear.from_linear(linear, recipe)
+        layer.autoupdate_scales = False
+        layer.fp8_meta.history_sized = [True] * len(layer.fp8_meta.history_sized)
+        return layer
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an emulated GEMM warns; it shows in the launches (mm on dequantized data)
-        launches = _record(lambda linear: FP8Linear.from_linear(linear, recipe), shape, capability)
-    return tuple(launch for launch in launches if launch.name != "close_step")
+        return tuple(_record(as_the_engine_runs_it, shape, capability))
 
 
 @functools.lru_cache(maxsize=256)
