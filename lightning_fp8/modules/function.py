@@ -73,15 +73,20 @@ class GemmConfig(NamedTuple):
 
 
 class FP8Gemms(torch.autograd.Function):
-    """apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg).
+    """apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_fp8_t, w_scale, w_scale_inv, history, observer,
+    cfg).
 
     x2d / weight / bias carry the autograd graph (their gradients come back); x_fp8_t is x^T in FP8 where the cast
     wrote it (CUDA: the layout the weight-gradient GEMM reads), else None and x_fp8 serves (the emulated GEMM reads
-    any layout); w_fp8 is the weight cast (out, in); history is the layer's [3, L+1] amax history (backward
+    any layout); w_fp8 is the weight cast (out, in), w_fp8_t its transpose (in, out) where the forward's cast wrote
+    it in the same pass (CUDA, when an input gradient is needed: the layout the input-gradient GEMM reads, kept
+    from forward as Transformer Engine does, 1 byte per weight element held, instead of a second cast of the weight
+    in backward), else None; history is the layer's [3, L+1] amax history (backward
     accumulates the gradient's amax into it). Every tensor is passed once: torch.compile rejects duplicates."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg):
+    def forward(ctx, x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_fp8_t, w_scale, w_scale_inv, history,
+                observer, cfg):
         x_wgrad = x_fp8_t.t() if x_fp8_t is not None else x_fp8
         if cfg.hp_wgrad:
             x_wgrad = x2d  # the weight gradient is a BF16 GEMM: x in high precision, not its FP8 cast
@@ -96,7 +101,8 @@ class FP8Gemms(torch.autograd.Function):
         ctx.save_for_backward(
             x_wgrad if ctx.needs_input_grad[1] else None,
             x_scale_inv,
-            weight if ctx.needs_input_grad[0] else None,
+            weight if ctx.needs_input_grad[0] and w_fp8_t is None else None,
+            w_fp8_t if ctx.needs_input_grad[0] else None,
             w_scale,
             w_scale_inv,
         )
@@ -107,7 +113,7 @@ class FP8Gemms(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_wgrad, x_scale_inv, weight, w_scale, w_scale_inv = ctx.saved_tensors
+        x_wgrad, x_scale_inv, weight, w_fp8_t, w_scale, w_scale_inv = ctx.saved_tensors
         history = ctx.history
         cfg: GemmConfig = ctx.cfg
         needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -120,7 +126,9 @@ class FP8Gemms(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, in the layout the dgrad GEMM reads (W column-major on CUDA)
-            if isinstance(weight, PrecastFP8Weight):  # gathered in FP8 (FSDP2): the data of this pass, its scale
+            if w_fp8_t is not None:  # written by the forward's cast
+                w_b = w_fp8_t.t()
+            elif isinstance(weight, PrecastFP8Weight):  # gathered in FP8 (FSDP2): the data of this pass, its scale
                 w_b, w_scale_inv = weight.dgrad_operand(kernels.materializes_transpose(weight))
             elif kernels.materializes_transpose(weight):
                 w_b = cast_to_fp8(weight, w_scale, _fmt(cfg.weight_fmt), layout="t").t()
@@ -141,7 +149,7 @@ class FP8Gemms(torch.autograd.Function):
             grad_b = g.sum(0, dtype=torch.float32)
             if grad_b.dtype != ctx.bias_dtype:
                 grad_b = grad_b.to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def cast_gradient(g: torch.Tensor, history: torch.Tensor, cfg: GemmConfig, write_t: bool):
@@ -182,8 +190,10 @@ def apply_fp8_gemms(
     history: torch.Tensor,
     observer,
     cfg: GemmConfig,
+    w_fp8_t: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, history, observer, cfg)
+    return FP8Gemms.apply(x2d, weight, bias, x_fp8, x_fp8_t, x_scale_inv, w_fp8, w_fp8_t, w_scale, w_scale_inv, history,
+                          observer, cfg)
 
 
 __all__ = ["FP8Gemms", "GemmConfig", "apply_fp8_gemms", "cast_gradient"]

@@ -204,14 +204,17 @@ class FP8Layer(nn.Module):
             pad_to = per_tensor_token_padding(x2d, materialize)
             x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize,
                                                      pad_to=pad_to)
+        w_t = None
         if isinstance(weight, PrecastFP8Weight):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
         else:
-            w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training)
+            # W^T for the input-gradient GEMM from the same pass where the device writes it (kept for backward)
+            keep_w_t = x2d.requires_grad and torch.is_grad_enabled() and kernels.materializes_transpose(weight)
+            w_fp8, w_t, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training, write_t=keep_w_t)
         cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to, meta.history_sized[ROLE_INDEX["grad_output"]])
         out = apply_fp8_gemms(
             x2d, weight, bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
-            observer, cfg,
+            observer, cfg, w_fp8_t=w_t,
         )
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
