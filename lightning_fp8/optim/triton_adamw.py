@@ -1,14 +1,14 @@
 """Fused Triton kernel for the FP8AdamW step (CUDA, opt-in: FP8AdamW(..., backend="triton")).
 
 One launch steps every parameter of a param group that the kernel covers, per device (multi-tensor, as torch's
-fused Adam): a launch costs the host ~10-40 us whatever its size, so one launch per parameter made a model's hundreds
-of small parameters cost more in launches than in memory traffic. The launch gets a per-tensor table (int64: each
-tensor's addresses, numel and first block in the grid; float64: the step size and sqrt of the second bias
-correction, which differ between tensors whose step counts differ), copied to the device in one transfer; a
-program finds its tensor by a binary search over the first-block row (ceil(log2(n)) loads from a table of a few KiB)
-and casts the addresses to typed pointers. Where every address is 16-byte aligned and every numel a multiple of 16 (the
-usual case), ALIGNED tells the compiler so, as Triton's argument specialisation told the per-parameter kernel, so
-loads and stores stay vectorised.
+fused Adam): a Triton launch costs tens of microseconds of host time whatever its size, so one launch per parameter
+added up to milliseconds per step for a model's hundreds of parameters. The launch gets a
+per-tensor table (int64: each tensor's addresses, numel and first block in the grid; float64: the step size and
+sqrt of the second bias correction, which differ between tensors whose step counts differ), copied to the device in
+one transfer; a program finds its tensor by a binary search over the first-block row (ceil(log2(n)) loads from a
+table of a few KiB) and casts the addresses to typed pointers. Where every address is 16-byte aligned and every
+numel a multiple of 16 (the usual case), ALIGNED tells the compiler so, as Triton's argument specialisation told
+the per-parameter kernel, so loads and stores stay vectorised.
 
 One program per quantization block: it reads the parameter, the gradient and the block's stored moments once,
 does the AdamW math in float32 (the same formula and order as reference.py), writes the parameter, and
@@ -242,9 +242,9 @@ def adamw_multi_step_triton_(params: Sequence[torch.Tensor], grads: Sequence[tor
                              states: Sequence[Dict[str, Any]], group: Dict[str, Any], *,
                              hw_cast: Optional[bool] = None) -> None:
     """The fused twin of reference.adamw_step_ for several parameters of one param group on one device, in one
-    launch (each `supports`-accepted; `grads[i]` is `params[i]`'s gradient). A launch costs the host ~10-40 us
-    whatever its size, so a model's hundreds of parameters stepped one launch each cost more in launches than
-    in memory traffic at small sizes; the kernel finds its tensor in a per-tensor table of addresses instead.
+    launch (each `supports`-accepted; `grads[i]` is `params[i]`'s gradient): one launch per parameter cost a model's
+    hundreds of parameters milliseconds of host time per step; the kernel finds its tensor in a per-tensor table of
+    addresses instead.
     Per-tensor values that may differ (step counts, hence the bias corrections) travel in the table; the group's
     hyperparameters are scalars. `hw_cast`: the FP8 conversion (None: the hardware cvt unless `use_soft_cast`, as
     the casts choose; the interpreter tests force either)."""
