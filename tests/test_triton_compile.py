@@ -417,3 +417,17 @@ def test_compiled_adamw_step_has_no_nan_dropping_min_max(monkeypatch, arch):
         ptx = ptx_of(variant, arch)
         assert not NAN_DROPPING_MIN_MAX.findall(ptx), (variant, NAN_DROPPING_MIN_MAX.findall(ptx))
         assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx and "max.s32" in ptx  # the scan reads real code
+
+
+def test_aligned_adamw_step_keeps_vectorised_loads():
+    """The multi-tensor step reads its addresses from a table, where Triton's argument specialisation (16-byte
+    aligned pointers, sizes divisible by 16) cannot see them, so its loads and stores would be one element each.
+    ALIGNED (the host found every address aligned and every numel a multiple of 16) restores the 128-bit accesses the
+    per-parameter kernel got from the specialisation; without it they stay scalar, which is right for unaligned
+    tensors. A block of 1024 gives each thread 8 elements (128 elements per block is one per thread: nothing to
+    vectorise)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        aligned = ptx_of(adamw_variant(monkeypatch, 90, "fp16", aligned=True, block_size=1024), 90)
+        unaligned = ptx_of(adamw_variant(monkeypatch, 90, "fp16", aligned=False, block_size=1024), 90)
+    assert "ld.global.v4.b32" in aligned and "st.global.v4.b32" in aligned
+    assert "ld.global.v4" not in unaligned and "st.global.v4" not in unaligned
