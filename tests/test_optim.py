@@ -641,6 +641,36 @@ def test_triton_kernel_steps_on_the_parameters_device_not_the_current_one():
     assert _codes_close(m_tri, m_ref) > 0.99
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_step_launches_once_per_param_group_and_device():
+    """The launches of one FP8AdamW(backend="triton") step on a simulated sm90, meta tensors (kernels/trace.py). It
+    launched the kernel once per parameter; now once per (param group, device) whatever the number of parameters,
+    each launch preceded by one host-side increment of the CPU step counters and one copy of the per-tensor table
+    to the device. Parameters the kernel does not cover (1-D: float32 state) take the reference's operators."""
+    from lightning_fp8.kernels.device import simulate_cuda
+    from lightning_fp8.kernels.trace import record_launches
+
+    with simulate_cuda((9, 0)):
+        big = [nn.Parameter(torch.empty(shape, device="meta")) for shape in ((512, 512), (300, 129), (64, 4097))]
+        small = [nn.Parameter(torch.empty(shape, device="meta")) for shape in ((256, 256), (128, 1000))]
+        bias = nn.Parameter(torch.empty(512, device="meta"))
+        opt = FP8AdamW([{"params": [big[0], bias, *big[1:]]}, {"params": small, "weight_decay": 0.0}], backend="triton")
+        for p in (*big, *small, bias):
+            p.grad = torch.empty_like(p)
+        opt.step()  # initialises the state
+        with record_launches() as launches:
+            opt.step()
+    names = [launch.name for launch in launches if launch.name not in ("_record_function_enter_new",
+                                                                       "_record_function_exit")]
+    assert names.count("fp8_adamw") == 2, names
+    first = names.index("fp8_adamw")
+    assert names[first - 2:] == ["_foreach_add_", "_to_copy", "fp8_adamw"] * 2, names  # group 1's tail, group 2
+    assert "fp8_adamw" not in names[:first - 2] and "lerp_" in names[:first - 2]  # the bias: the reference, first
+    table_read = next(launch for launch in launches if launch.name == "fp8_adamw").bytes_read
+    assert table_read == sum(4 * p.numel() * 2 + p.numel() * 3 for p in big) + sum(
+        opt.state[p][k].numel() * 4 for p in big for k in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv")) + 10 * 3 * 8
+
+
 # -- Triton kernel under the interpreter (CPU; triton is a test dependency on Linux) -------------------------------
 def _interpreter_step(vdt: str, decoupled: bool, maximize: bool, hw_cast: bool, grad_specials=()):
     """One fused step and one reference step from the same state (3 reference steps in), default block size, 4257
@@ -668,7 +698,7 @@ def _interpreter_step(vdt: str, decoupled: bool, maximize: bool, hw_cast: bool, 
     return p, p_ref, p_tri, s_ref, s_tri
 
 
-def _assert_step_matches(p, p_ref, p_tri, s_ref, s_tri, label) -> None:
+def _assert_step_matches(p, p_ref, p_tri, s_ref, s_tri, label, step: float = 4.0) -> None:
     """Fused step vs reference step. NaN where the reference has NaN (parameters, stored moments), nowhere else.
     Parameters within 4 float32 ulps: the update passes through ~8 float32 roundings (lerp, v update, sqrt, two
     divisions, + eps, * step size) whose order differs between torch's CPU kernels and the kernel's expression; 4 ulps
@@ -683,7 +713,7 @@ def _assert_step_matches(p, p_ref, p_tri, s_ref, s_tri, label) -> None:
     ulp = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
     diff = (p_tri - p_ref).abs()[finite]
     assert (diff <= 4 * ulp).all(), (label, float((diff / ulp).max()))
-    assert float(s_tri["step"]) == float(s_ref["step"]) == 4.0
+    assert float(s_tri["step"]) == float(s_ref["step"]) == step
     for key in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv"):
         assert torch.allclose(s_tri[key], s_ref[key], rtol=1e-6), (label, key)
     for key in ("exp_avg", "exp_avg_sq"):
@@ -718,6 +748,104 @@ def _interpreter_check() -> None:
             assert torch.equal(s_tri[key][special_blocks], s_ref[key][special_blocks]), (vdt, key)
 
 
+#: a param group's worth of shapes for the multi-tensor launch: a masked tail of 33 elements, an exact multiple of the
+#: block (and of 16: the vectorised addresses), a tail of 1, a tail of 106
+MULTI_SHAPES = ((33, 129), (64, 64), (17, 241), (70, 71))
+
+
+def _multi_tensor_check(vdt: str, hw_cast: bool) -> None:
+    """One launch for a group of MULTI_SHAPES against one launch per parameter (the per-parameter path), bit for bit:
+    parameters, stored codes, block scales and step counters. The parameters have taken 3, 4, 5 and 6 steps before (the
+    bias corrections differ per tensor), and parameter 1's gradient holds NaN and +-inf (in its first, a middle and
+    its last block), so a non-finite tensor next to finite ones in the same launch is exercised. Then each against the
+    reference step with the tolerances of `_assert_step_matches`, for the integer conversion (the interpreter's own
+    float8 conversion, behind hw_cast=True, does not keep a NaN moment NaN: the single-tensor check runs that
+    variant on finite gradients only)."""
+    from lightning_fp8.optim.reference import adamw_step_
+    from lightning_fp8.optim.state import init_state
+    from lightning_fp8.optim.triton_adamw import adamw_multi_step_triton_, adamw_step_triton_
+
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(shape)) for shape in MULTI_SHAPES]
+    group = FP8AdamW(ws, lr=1e-2, weight_decay=0.1, exp_avg_sq_dtype=vdt).param_groups[0]
+    states, ps = [init_state(w, group) for w in ws], [w.detach().clone() for w in ws]
+    for i, (p, state) in enumerate(zip(ps, states)):
+        assert "exp_avg_scale_inv" in state
+        for t in range(3 + i):
+            adamw_step_(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(t)) * 1e-3, state, group)
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(99 + i)) * 1e-3 for i, p in enumerate(ps)]
+    for index, value in ((3, float("nan")), (2000, float("inf")), (4095, -float("inf"))):
+        grads[1].view(-1)[index] = value
+
+    s_multi, s_single, s_ref = (copy.deepcopy(states) for _ in range(3))
+    p_multi, p_single, p_ref = ([p.clone() for p in ps] for _ in range(3))
+    adamw_multi_step_triton_(p_multi, grads, s_multi, group, hw_cast=hw_cast)
+    for p, g, s in zip(p_single, grads, s_single):
+        adamw_step_triton_(p, g, s, group, hw_cast=hw_cast)
+    for i in range(len(ps)):
+        assert torch.equal(p_multi[i].view(torch.int32), p_single[i].view(torch.int32)), (vdt, i)
+        assert set(s_multi[i]) == set(s_single[i])
+        for key, value in s_single[i].items():
+            bits = torch.int32 if value.dtype == torch.float32 else torch.uint8
+            assert torch.equal(s_multi[i][key].view(bits), value.view(bits)), (vdt, i, key)
+        if not hw_cast:
+            adamw_step_(p_ref[i], grads[i], s_ref[i], group)
+            _assert_step_matches(ps[i], p_ref[i], p_multi[i], s_ref[i], s_multi[i], (vdt, i, hw_cast), step=4.0 + i)
+    assert p_multi[1].isnan().any() and not any(p.isnan().any() for i, p in enumerate(p_multi) if i != 1)
+
+
+def _optimizer_groups_check() -> None:
+    """FP8AdamW(backend="triton").step on a simulated CUDA machine, CPU parameters run by the interpreter: one kernel
+    launch per param group for the parameters the kernel covers, with exactly the results of one launch per
+    parameter; the 1-D bias (float32 state, not covered) takes the reference, bit for bit as the torch backend; the
+    covered ones agree with the torch backend to float32 rounding. A group with parameters on two devices (CPU, run;
+    meta, recorded with shapes only) launches once per device."""
+    from lightning_fp8.kernels.device import simulate_cuda
+    from lightning_fp8.kernels.trace import record_launches
+    from lightning_fp8.optim.triton_adamw import adamw_step_triton_
+
+    def model():
+        torch.manual_seed(0)
+        return [nn.Parameter(torch.randn(shape)) for shape in MULTI_SHAPES[:3]] + [nn.Parameter(torch.randn(129))]
+
+    def groups(params):
+        return [{"params": params[:2] + params[3:]}, {"params": params[2:3], "weight_decay": 0.0}]
+
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3 for i, p in enumerate(model())]
+    params, ref_params = model(), model()
+    opt = FP8AdamW(groups(params), lr=1e-2, backend="triton")
+    ref = FP8AdamW(groups(ref_params), lr=1e-2)
+    for p, r, g in zip(params, ref_params, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    meta = nn.Parameter(torch.empty(64, 64, device="meta"))
+    meta.grad = torch.empty_like(meta)
+    with simulate_cuda((9, 0)):
+        opt.step()  # step 1 initialises the state
+        ref.step()
+        single = [(p.detach().clone(), copy.deepcopy(opt.state[p])) for p in params[:3]]
+        with record_launches() as launches:
+            opt.step()
+        ref.step()
+        for (p, state), g, group in zip(single, grads, (opt.param_groups[0], opt.param_groups[0], opt.param_groups[1])):
+            adamw_step_triton_(p, g, state, group)  # the per-parameter path, step 2
+        cpu = nn.Parameter(torch.randn(64, 64))
+        cpu.grad = torch.randn(64, 64)
+        mixed = FP8AdamW([cpu, meta], lr=1e-2, backend="triton")
+        mixed.step()
+        with record_launches() as mixed_launches:
+            mixed.step()
+    assert [launch.name for launch in launches if launch.source == "triton"] == ["fp8_adamw"] * 2  # 3 covered, 2 groups
+    assert [launch.name for launch in mixed_launches if launch.source == "triton"] == ["fp8_adamw"] * 2  # CPU, meta
+    assert torch.equal(params[3], ref_params[3])  # the bias: the reference on both backends
+    for p, r, (p_single, s_single) in zip(params, ref_params, single):
+        assert torch.equal(p.view(torch.int32), p_single.view(torch.int32))
+        for key, value in s_single.items():
+            bits = torch.int32 if value.dtype == torch.float32 else torch.uint8
+            assert torch.equal(opt.state[p][key].view(bits), value.view(bits)), key
+        assert float(opt.state[p]["step"]) == 2.0
+        assert torch.allclose(p, r, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or HAS_CUDA or os.environ.get("TRITON_INTERPRET") != "1",
     reason="interpreter test: tests/test_kernels.py::test_interpreter_suite runs it (with that file's interpreter tests, "
@@ -730,3 +858,13 @@ def test_interp_fused_adamw_step_matches_reference():
 
     assert isinstance(triton_adamw._fp8_adamw_block_kernel, InterpretedFunction)
     _interpreter_check()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or HAS_CUDA or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="interpreter test: tests/test_kernels.py::test_interpreter_suite runs it",
+)
+def test_interp_multi_tensor_launch_equals_per_parameter_launches():
+    for vdt in ("fp16", "fp8"):
+        _multi_tensor_check(vdt, hw_cast=False)
+    _optimizer_groups_check()

@@ -3,9 +3,9 @@
 `triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))` runs Triton's whole
 pipeline down to its bundled ptxas for sm80 (A100), sm89 (L4, L40S, RTX 40xx), sm90 (H100), sm100 (B200) and sm120
 (RTX 50xx). The variants compiled are the ones the host code launches: each launcher (`launch_cast`,
-`launch_scaled_cast`, `launch_close_step`, `adamw_step_triton_`) runs on small CPU tensors with its kernel replaced by a
-recorder, and the recorded arguments give the signature (pointer dtypes, scalars) and the constexprs. So a launcher
-change that emits a variant which cannot compile somewhere fails here.
+`launch_scaled_cast`, `launch_close_step`, `adamw_multi_step_triton_`) runs on small CPU tensors with its kernel
+replaced by a recorder, and the recorded arguments give the signature (pointer dtypes, scalars) and the constexprs.
+So a launcher change that emits a variant which cannot compile somewhere fails here.
 
 What this proves (and what it cannot): that each architecture's *selected* variant compiles, that the hardware FP8
 conversion does not compile below sm89 (so the selection is needed, not luck), which conversion instructions the
@@ -40,8 +40,8 @@ ARCHS = (80, 89, 90, 100, 120)
 FORMATS = (E4M3, E5M2)
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _POINTER_TYPES = {
-    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
-    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
     torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
 }
 #: the instruction that converts float32 to FP8 in one rounding (sm89+)
@@ -181,22 +181,31 @@ def cast_variant(monkeypatch, fmt, hw_cast: bool) -> Variant:
         hw_cast=hw_cast))[0]
 
 
-def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", **group) -> Variant:
-    """The variant `adamw_step_triton_` launches for a CUDA parameter on a GPU of this architecture (its own choice
-    of conversion, through kernels.use_soft_cast)."""
+def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", aligned: bool = True, **group) -> Variant:
+    """The variant `adamw_multi_step_triton_` launches for two CUDA parameters on a GPU of this architecture (its own
+    choice of conversion, through kernels.use_soft_cast). Fake tensors have no addresses, so the per-tensor table is
+    a fake one of the real table's shape and dtype, and `aligned` stands for what the addresses and sizes would say
+    (the interpreter tests in tests/test_optim.py run the real table)."""
     from lightning_fp8.optim import FP8AdamW, state as opt_state, triton_adamw
 
-    w = torch.nn.Parameter(torch.randn(64, 64))
+    ws = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(48, 96))]
     with monkeypatch.context() as m:
         m.setattr(opt_state, "FP8_SQRT_V_ROUNDING", "nearest")  # the kernel's fp8 second moment
-        group = FP8AdamW([w], exp_avg_sq_dtype=exp_avg_sq_dtype, **group).param_groups[0]
-        state = opt_state.init_state(w, group)
+        group = FP8AdamW(ws, exp_avg_sq_dtype=exp_avg_sq_dtype, **group).param_groups[0]
+        states = [opt_state.init_state(w, group) for w in ws]
         on_gpu(m, arch)
-        keys = [k for k in state if k != "step"]  # step stays a CPU tensor, as FP8AdamW keeps it
-        param, grad, *moments = fake_cuda(w.detach(), w.detach(), *(state[k] for k in keys))
-        state = {"step": state["step"], **dict(zip(keys, moments))}
+        params, grads, fake_states = [], [], []
+        for w, state in zip(ws, states):
+            keys = [k for k in state if k != "step"]  # step stays a CPU tensor, as FP8AdamW keeps it
+            param, grad, *moments = fake_cuda(w.detach(), w.detach(), *(state[k] for k in keys))
+            params.append(param)
+            grads.append(grad)
+            fake_states.append({"step": state["step"], **dict(zip(keys, moments))})
+        table, coef = fake_cuda(torch.zeros(len(triton_adamw._TABLE_ROWS), len(ws), dtype=torch.int64),
+                                torch.zeros(2, len(ws), dtype=torch.float64))
+        m.setattr(triton_adamw, "_launch_table", lambda *args: (table, coef, 68, aligned))
         return record(m, triton_adamw, "_fp8_adamw_block_kernel",
-                      lambda: triton_adamw.adamw_step_triton_(param, grad, state, group))[0]
+                      lambda: triton_adamw.adamw_multi_step_triton_(params, grads, fake_states, group))[0]
 
 
 #: constexprs that carry a number (block sizes, history length, format constants) rather than choose code
@@ -258,7 +267,7 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
     """Every variant the launchers emit over their options: the cast kernel and the scaled cast's amax pre-pass (launch_cast: layouts, amax, rounding,
     skip flag; launch_scaled_cast: scaling mode, history reduction, power-of-two, layouts, recording, rounding; both
     formats, the three input dtypes), the close-step kernel (step taken or not) and the fused AdamW step (second
-    moment dtype, decoupled, maximize, weight decay)."""
+    moment dtype, vectorised addresses or not, decoupled, maximize, weight decay)."""
     import itertools
 
     from lightning_fp8.kernels import triton_scaling
@@ -297,10 +306,10 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
         closes += record(monkeypatch, triton_scaling, "_close_step_kernel", lambda: triton_scaling.launch_close_step(
             meta.amax_history.clone(), meta.overflow_count.clone(), meta.clip_count.clone(),
             *meta.constants().values(), taken))
-    steps = [adamw_variant(monkeypatch, 90, vdt, decoupled_weight_decay=decoupled, maximize=maximize,
+    steps = [adamw_variant(monkeypatch, 90, vdt, aligned, decoupled_weight_decay=decoupled, maximize=maximize,
                            weight_decay=wd)
-             for vdt, decoupled, maximize, wd in itertools.product(("fp16", "fp8"), (True, False), (False, True),
-                                                                   (0.0, 0.01))]
+             for vdt, aligned, decoupled, maximize, wd in itertools.product(
+                 ("fp16", "fp8"), (True, False), (True, False), (False, True), (0.0, 0.01))]
     return casts, prepasses, closes, steps
 
 
@@ -408,3 +417,17 @@ def test_compiled_adamw_step_has_no_nan_dropping_min_max(monkeypatch, arch):
         ptx = ptx_of(variant, arch)
         assert not NAN_DROPPING_MIN_MAX.findall(ptx), (variant, NAN_DROPPING_MIN_MAX.findall(ptx))
         assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx and "max.s32" in ptx  # the scan reads real code
+
+
+def test_aligned_adamw_step_keeps_vectorised_loads():
+    """The multi-tensor step reads its addresses from a table, where Triton's argument specialisation (16-byte
+    aligned pointers, sizes divisible by 16) cannot see them, so its loads and stores would be one element each.
+    ALIGNED (the host found every address aligned and every numel a multiple of 16) restores the 128-bit accesses the
+    per-parameter kernel got from the specialisation; without it they stay scalar, which is right for unaligned
+    tensors. A block of 1024 gives each thread 8 elements (128 elements per block is one per thread: nothing to
+    vectorise)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        aligned = ptx_of(adamw_variant(monkeypatch, 90, "fp16", aligned=True, block_size=1024), 90)
+        unaligned = ptx_of(adamw_variant(monkeypatch, 90, "fp16", aligned=False, block_size=1024), 90)
+    assert "ld.global.v4.b32" in aligned and "st.global.v4.b32" in aligned
+    assert "ld.global.v4" not in unaligned and "st.global.v4" not in unaligned

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 from itertools import chain
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
 
+from lightning_fp8.kernels import triton_enabled_for
+from lightning_fp8.kernels.device import runs_cuda_paths
 from lightning_fp8.optim import state as _state
 from lightning_fp8.optim.reference import adamw_step_
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
@@ -127,6 +129,7 @@ class FP8AdamW(Optimizer):
                 loss = closure()
         index = -1
         for group in self.param_groups:
+            fused: Dict[torch.device, List[torch.Tensor]] = {}  # the Triton kernel's parameters, one launch per device
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -142,11 +145,14 @@ class FP8AdamW(Optimizer):
                 if len(state) == 0:
                     state.update(init_state(p, group))
                 if self.backend == "triton" and _triton_supports(p, state, group):
-                    from lightning_fp8.optim.triton_adamw import adamw_step_triton_
-
-                    adamw_step_triton_(p, p.grad, state, group)
+                    fused.setdefault(p.device, []).append(p)
                 else:
                     adamw_step_(p, p.grad, state, group, self._generator(p, group, state, index))
+            if fused:
+                from lightning_fp8.optim.triton_adamw import adamw_multi_step_triton_
+
+                for params in fused.values():
+                    adamw_multi_step_triton_(params, [p.grad for p in params], [self.state[p] for p in params], group)
         return loss
 
     @staticmethod
@@ -207,7 +213,9 @@ class FP8AdamW(Optimizer):
 
 
 def _triton_supports(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
-    if not p.is_cuda:
+    """CUDA parameters the kernel covers; under `simulate_cuda` also meta parameters (a launch trace, shapes only) and
+    CPU ones under the Triton interpreter, as the casts decide (`kernels.triton_enabled_for`)."""
+    if not (p.is_cuda or (runs_cuda_paths(p) and triton_enabled_for(p))):
         return False
     from lightning_fp8.optim.triton_adamw import supports
 

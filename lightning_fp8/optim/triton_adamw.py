@@ -1,4 +1,14 @@
-"""Fused Triton kernel for the FP8AdamW step of one parameter (CUDA, opt-in: FP8AdamW(..., backend="triton")).
+"""Fused Triton kernel for the FP8AdamW step (CUDA, opt-in: FP8AdamW(..., backend="triton")).
+
+One launch steps every parameter of a param group that the kernel covers, per device (multi-tensor, as torch's
+fused Adam): a Triton launch costs tens of microseconds of host time whatever its size, so one launch per parameter
+added up to milliseconds per step for a model's hundreds of parameters. The launch gets a
+per-tensor table (int64: each tensor's addresses, numel and first block in the grid; float64: the step size and
+sqrt of the second bias correction, which differ between tensors whose step counts differ), copied to the device in
+one transfer; a program finds its tensor by a binary search over the first-block row (ceil(log2(n)) loads from a
+table of a few KiB) and casts the addresses to typed pointers. Where every address is 16-byte aligned and every
+numel a multiple of 16 (the usual case), ALIGNED tells the compiler so, as Triton's argument specialisation told
+the per-parameter kernel, so loads and stores stay vectorised.
 
 One program per quantization block: it reads the parameter, the gradient and the block's stored moments once,
 does the AdamW math in float32 (the same formula and order as reference.py), writes the parameter, and
@@ -31,18 +41,22 @@ reference, also with NaN and inf gradients: parameters to float32 rounding, scal
 hardware-conversion variant, except where the interpreter's own float8 conversion mis-rounds: it halves values
 that should round up to a power of two, see docs/numerics.md). The hardware float8 conversion is checked by
 tests/test_optim.py -m cuda only; tests/test_triton_compile.py compiles both variants for every architecture.
-Launches are per parameter, not one multi-tensor launch; that is the next step if the launch count shows up.
+The multi-tensor launch is bit-identical under the interpreter to one launch per parameter
+(tests/test_optim.py::test_interp_multi_tensor_launch_equals_per_parameter_launches: shapes with masked tails,
+different step counts, NaN and inf in one tensor), and tests/test_optim.py counts its launches: one per (param group,
+device). Its speed on a GPU is not measured.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import struct
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from lightning_fp8.kernels import use_soft_cast
-from lightning_fp8.kernels.launch import device_guard
+from lightning_fp8.kernels.launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs
 from lightning_fp8.numerics.formats import E4M3
 from lightning_fp8.optim import state as _state
@@ -72,32 +86,73 @@ def _saturate(y, FMT_MAX: tl.constexpr):
     return tl.where(y != y, y, clamped)
 
 
+#: rows of the per-tensor table the kernel reads (int64, [len(_TABLE_ROWS), n_tensors]): the tensors' addresses, each
+#: tensor's element count, and the index of its first block in the launch's grid
+_TABLE_ROWS = ("param", "grad", "exp_avg", "exp_avg_scale_inv", "exp_avg_sq", "exp_avg_sq_scale_inv", "numel",
+               "first_block")
+_PARAM, _GRAD, _M, _M_SINV, _V, _V_SINV, _NUMEL, _FIRST_BLOCK = (tl.constexpr(i) for i in range(len(_TABLE_ROWS)))
+
+
 @triton.jit
 def _fp8_adamw_block_kernel(
-    p_ptr, g_ptr, m_ptr, m_sinv_ptr, v_ptr, v_sinv_ptr,
-    numel,
-    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, bias_correction2_sqrt,
+    table_ptr, coef_ptr, n_tensors, search_steps,
+    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
     DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, V_FP8: tl.constexpr,
     M_MAX: tl.constexpr, V_MAX: tl.constexpr, BLOCK: tl.constexpr, FLT_MAX: tl.constexpr,
     FP8_DTYPE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, HAS_INF: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    HW_CAST: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    # m_ptr (and v_ptr when V_FP8) hold E4M3 codes as uint8; v_ptr holds float16 otherwise
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # table_ptr: int64 [len(_TABLE_ROWS), n_tensors]; coef_ptr: float64 [2, n_tensors], each tensor's step size
+    # (lr / bias_correction1) and sqrt(bias_correction2), which differ where the tensors' step counts do. The
+    # moments hold E4M3 codes as uint8; the second one float16 unless V_FP8.
+    pid = tl.program_id(0).to(tl.int64)
+    # the tensor this block belongs to: the last one whose first block is <= pid, by binary search over the
+    # non-decreasing first-block row (search_steps = ceil(log2(n_tensors)); every tensor has at least one block)
+    first_row = table_ptr + _FIRST_BLOCK * n_tensors
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        below = tl.load(first_row + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    t = lo
+    block = pid - tl.load(first_row + t)
+    numel = tl.load(table_ptr + _NUMEL * n_tensors + t)
+    p_ptr = tl.load(table_ptr + _PARAM * n_tensors + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(table_ptr + _GRAD * n_tensors + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(table_ptr + _M * n_tensors + t).to(tl.pointer_type(tl.uint8))
+    m_sinv_ptr = tl.load(table_ptr + _M_SINV * n_tensors + t).to(tl.pointer_type(tl.float32)) + block
+    v_sinv_ptr = tl.load(table_ptr + _V_SINV * n_tensors + t).to(tl.pointer_type(tl.float32)) + block
+    if V_FP8:
+        v_ptr = tl.load(table_ptr + _V * n_tensors + t).to(tl.pointer_type(tl.uint8))
+    else:
+        v_ptr = tl.load(table_ptr + _V * n_tensors + t).to(tl.pointer_type(tl.float16))
+    if ALIGNED:
+        # every address 16-byte aligned and every numel a multiple of 16 (checked on the host): what Triton's
+        # argument specialisation told the per-parameter kernel, so the loads and stores stay vectorised
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    step_size = tl.load(coef_ptr + t).to(tl.float32)
+    bias_correction2_sqrt = tl.load(coef_ptr + n_tensors + t).to(tl.float32)
+
+    offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g
     m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
-    m = _fp8_value(m_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(m_sinv_ptr + pid)
+    m = _fp8_value(m_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(m_sinv_ptr)
     if V_FP8:
         v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
-        root = _fp8_value(v_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(v_sinv_ptr + pid)
+        root = _fp8_value(v_code, FP8_DTYPE, MANT, BIAS, MAX_CODE, HAS_INF, HW_CAST) * tl.load(v_sinv_ptr)
         v = root * root
     else:
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr + pid)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(v_sinv_ptr)
 
     if HAS_WD:
         if DECOUPLED:
@@ -115,7 +170,7 @@ def _fp8_adamw_block_kernel(
     m_scale = _block_scale(m, mask, M_MAX, FLT_MAX)
     m_q = _saturate(m * m_scale, M_MAX)
     tl.store(m_ptr + offs, _fp8_code(m_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
-    tl.store(m_sinv_ptr + pid, tl.math.div_rn(1.0, m_scale))
+    tl.store(m_sinv_ptr, tl.math.div_rn(1.0, m_scale))
     if V_FP8:
         vs = tl.sqrt_rn(v)
     else:
@@ -126,17 +181,19 @@ def _fp8_adamw_block_kernel(
         tl.store(v_ptr + offs, _fp8_code(v_q, FP8_DTYPE, MANT, BIAS, HW_CAST).to(tl.uint8), mask=mask)
     else:
         tl.store(v_ptr + offs, v_q.to(tl.float16), mask=mask)
-    tl.store(v_sinv_ptr + pid, tl.math.div_rn(1.0, v_scale))
+    tl.store(v_sinv_ptr, tl.math.div_rn(1.0, v_scale))
 
 
 def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
-    """Whether the fused kernel covers this parameter (else the torch reference runs)."""
+    """Whether the fused kernel covers this parameter (else the torch reference runs). The device is the caller's
+    question (FP8AdamW asks for CUDA; the interpreter tests step CPU tensors)."""
     bs = group["block_size"]
     return (
-        param.is_cuda
-        and param.dtype == torch.float32
+        param.dtype == torch.float32
         and param.is_contiguous()
+        and param.numel() > 0
         and param.grad is not None
+        and param.grad.dtype == torch.float32
         and param.grad.is_contiguous()
         and group["master_weights"] == "fp32"
         and (group["exp_avg_sq_dtype"] == "fp16"
@@ -147,36 +204,85 @@ def supports(param: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) 
     )
 
 
+def _float64_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _launch_table(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], states: Sequence[Dict[str, Any]],
+                  lr: float, beta1: float, beta2: float,
+                  block_size: int) -> Tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """The kernel's per-tensor tables on the parameters' device, both views of one int64 [len(_TABLE_ROWS) + 2, n]
+    tensor copied in one transfer: the int64 rows of `_TABLE_ROWS`, and float64 [2, n] (step size,
+    sqrt(bias_correction2)); with the grid size and whether every address is 16-byte aligned and every numel a
+    multiple of 16 (the kernel's ALIGNED)."""
+    rows: List[List[int]] = [[] for _ in range(len(_TABLE_ROWS) + 2)]
+    blocks = 0
+    for p, g, s in zip(params, grads, states):
+        step = float(s["step"])
+        tensors = (p, g, s["exp_avg"], s["exp_avg_scale_inv"], s["exp_avg_sq"], s["exp_avg_sq_scale_inv"])
+        for row, t in zip(rows, tensors):
+            row.append(t.data_ptr())
+        rows[6].append(p.numel())
+        rows[7].append(blocks)
+        # Python double precision as torch computes them; the kernel rounds each to float32 once, as Triton rounds
+        # a float argument
+        rows[8].append(_float64_bits(lr / (1 - beta1**step)))
+        rows[9].append(_float64_bits((1 - beta2**step) ** 0.5))
+        blocks += triton.cdiv(p.numel(), block_size)
+    aligned = all(address % 16 == 0 for row in rows[:6] for address in row) and all(k % 16 == 0 for k in rows[6])
+    # one host-to-device copy (from pinned memory, so the host does not wait for the device); on CPU the
+    # interpreter reads the host table itself
+    device = params[0].device
+    table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return table, table[len(_TABLE_ROWS):].view(torch.float64), blocks, aligned
+
+
 @torch.no_grad()
-def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], *,
-                       hw_cast: Optional[bool] = None) -> None:
-    """The fused twin of reference.adamw_step_ for a parameter `supports` accepts. `hw_cast`: the FP8 conversion
-    (None: the hardware cvt unless `use_soft_cast(param)`, as the casts choose; the interpreter tests force either)."""
+def adamw_multi_step_triton_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                             states: Sequence[Dict[str, Any]], group: Dict[str, Any], *,
+                             hw_cast: Optional[bool] = None) -> None:
+    """The fused twin of reference.adamw_step_ for several parameters of one param group on one device, in one
+    launch (each `supports`-accepted; `grads[i]` is `params[i]`'s gradient): one launch per parameter cost a model's
+    hundreds of parameters milliseconds of host time per step; the kernel finds its tensor in a per-tensor table of
+    addresses instead.
+    Per-tensor values that may differ (step counts, hence the bias corrections) travel in the table; the group's
+    hyperparameters are scalars. `hw_cast`: the FP8 conversion (None: the hardware cvt unless `use_soft_cast`, as
+    the casts choose; the interpreter tests force either)."""
+    if not params:
+        return
+    device = params[0].device
+    if any(p.device != device for p in params):
+        raise ValueError("adamw_multi_step_triton_ steps the tensors of one device per launch; group them by device")
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
-    state["step"] += 1
-    step = float(state["step"])  # CPU tensor: no device sync
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
     wd = float(group["weight_decay"])
     v_fp8 = group["exp_avg_sq_dtype"] == "fp8"
-    numel = param.numel()
     bs = group["block_size"]
-    grid = (triton.cdiv(numel, bs),)
-    exp_avg_sq = state["exp_avg_sq"].view(torch.uint8) if v_fp8 else state["exp_avg_sq"]
-    with device_guard(param):
-        _fp8_adamw_block_kernel[grid](
-            param, grad, state["exp_avg"].view(torch.uint8), state["exp_avg_scale_inv"], exp_avg_sq,
-            state["exp_avg_sq_scale_inv"],
-            numel,
-            1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd, lr / bias_correction1,
-            bias_correction2**0.5,
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1)  # CPU tensors, as in torch: one host op, no device sync
+    table, coef, blocks, aligned = _launch_table(params, grads, states, lr, beta1, beta2, bs)
+    exp_avg = [s["exp_avg"] for s in states]
+    exp_avg_sq = [s["exp_avg_sq"] for s in states]
+    scales = [s[k] for s in states for k in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv")]
+    with device_guard(table):
+        if not announce("fp8_adamw", [table, *params, *grads, *exp_avg, *exp_avg_sq, *scales],
+                        [*params, *exp_avg, *exp_avg_sq, *scales]):
+            return
+        _fp8_adamw_block_kernel[(blocks,)](
+            table, coef, len(params), (len(params) - 1).bit_length(),
+            1 - beta1, beta2, 1 - beta2, float(group["eps"]), wd, 1 - lr * wd,
             DECOUPLED=bool(group["decoupled_weight_decay"]), MAXIMIZE=bool(group["maximize"]), HAS_WD=wd != 0,
             V_FP8=v_fp8, M_MAX=E4M3.max, V_MAX=E4M3.max if v_fp8 else FP16_STORAGE.max, BLOCK=bs,
             FLT_MAX=torch.finfo(torch.float32).max,
             **format_constexprs(E4M3), HAS_INF=E4M3.has_inf,
-            HW_CAST=not use_soft_cast(param) if hw_cast is None else hw_cast,
+            HW_CAST=not use_soft_cast(params[0]) if hw_cast is None else hw_cast, ALIGNED=aligned,
         )
 
 
-__all__ = ["supports", "adamw_step_triton_"]
+def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], *,
+                       hw_cast: Optional[bool] = None) -> None:
+    """One parameter's fused step: `adamw_multi_step_triton_` with a table of one tensor."""
+    adamw_multi_step_triton_([param], [grad], [state], group, hw_cast=hw_cast)
+
+
+__all__ = ["supports", "adamw_multi_step_triton_", "adamw_step_triton_"]
