@@ -1,0 +1,113 @@
+"""Memory the FP8 gradient communication allocates, per gradient element: the DDP comm hook (fp8_comm_hook) and the
+FSDP2 reduce-scatter (FP8ReduceScatter), measured on CPU.
+
+One process, a fake process group of W ranks (torch's "fake" backend: collectives return at once and move nothing,
+so the buffers the code allocates for them are still allocated, and the futures' callbacks run in this thread);
+`lightning_fp8.distributed.comm_bytes.peak_allocated_bytes` records the peak of the CPU allocator's running total
+while one call runs to completion (the bucket's or the unit's gradient buffer itself exists before and is not
+counted). Reported: peak bytes / N, N the elements of the bucket (DDP) or of the unit's whole gradient buffer (FSDP2,
+W shards). That includes the uint8 buffers the collectives need (sent, received), not only float32 temporaries.
+
+Bucket layout (DDP, `scaling="per_tensor"`): transformer blocks of width d, each 12 d^2 + 13 d elements in 12 tensors
+(qkv, proj, LayerNorms, MLP and their biases); d = 512 with 2 blocks is 6.3 M elements, about DDP's default 25 MiB
+bucket of float32 gradients.
+
+    python benchmarks/comm_memory.py [--label after] [--out benchmarks/results/comm_memory]
+
+writes <out>_<label>.json; benchmarks/results/comm_memory.md is written by hand from the before and after files.
+(No `from __future__ import annotations`: DDP-style hooks are checked by value elsewhere; kept the same here.)
+"""
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_fp8.distributed.comm_bytes import peak_allocated_bytes
+from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
+from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class FakeBucket:
+    """What fp8_comm_hook reads of a `dist.GradBucket`: the flat buffer and the gradients as views of it."""
+
+    def __init__(self, numels, dtype) -> None:
+        self._buffer = torch.randn(sum(numels), dtype=dtype) * 1e-3
+        self._grads, start = [], 0
+        for n in numels:
+            self._grads.append(self._buffer[start:start + n])
+            start += n
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return list(self._grads)
+
+
+def block_numels(d: int, blocks: int):
+    one = [3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d]
+    return one * blocks
+
+
+def init_fake(world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def measure_hook(world: int, d: int, blocks: int, algorithm: str, dtype) -> dict:
+    numels = block_numels(d, blocks)
+    bucket = FakeBucket(numels, dtype)
+    state = FP8CommState(algorithm=algorithm)
+    peak, _ = peak_allocated_bytes(lambda: fp8_comm_hook(state, bucket).wait())
+    n = sum(numels)
+    return dict(path=f"ddp_hook/{algorithm}", world=world, dtype=str(dtype).replace("torch.", ""), numel=n,
+                tensors=len(numels), peak_bytes=peak, bytes_per_element=peak / n)
+
+
+def measure_reduce_scatter(world: int, n: int, dtype) -> dict:
+    n = n // world * world
+    inp = torch.randn(n, dtype=dtype) * 1e-3
+    out = torch.empty(n // world, dtype=dtype)
+    comm = FP8ReduceScatter()
+    peak, _ = peak_allocated_bytes(lambda: comm(out, inp, dist.group.WORLD, dist.ReduceOp.AVG))
+    return dict(path="fsdp2_reduce_scatter", world=world, dtype=str(dtype).replace("torch.", ""), numel=n, tensors=1,
+                peak_bytes=peak, bytes_per_element=peak / n)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--out", default=str(RESULTS / "comm_memory"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    for world in (2, 8):
+        init_fake(world)
+        for dtype in (torch.float32, torch.bfloat16):
+            for d, blocks in ((256, 2), (512, 2), (512, 4)):
+                for algorithm in ("all_gather", "all_to_all"):
+                    rows.append(measure_hook(world, d, blocks, algorithm, dtype))
+                    print(json.dumps(rows[-1]), flush=True)
+                rows.append(measure_reduce_scatter(world, sum(block_numels(d, blocks)), dtype))
+                print(json.dumps(rows[-1]), flush=True)
+    dist.destroy_process_group()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    meta = dict(label=args.label, commit=commit, torch=torch.__version__, platform=platform.platform(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                method="peak_allocated_bytes (profiler allocation events, CPU allocator), fake process group")
+    Path(f"{args.out}_{args.label}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
