@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm_hook import FP8CommState
-from lightning_fp8.distributed.fp8_reduce import decode_sum, encode, local_amaxes, poison_if, shared_scales
+from lightning_fp8.distributed.fp8_reduce import decode_sum_into, encode_into, local_amaxes, shared_scales
 from lightning_fp8.distributed.sharding import fsdp_modules
 from lightning_fp8.numerics.formats import get_format
 
@@ -49,13 +49,14 @@ class FP8ReduceScatter:
         world = group.size()
         scales, nonfinite = shared_scales(local_amaxes([input_tensor]), fmt, self.state.margin, group)
         scale = scales[0]
-        sent = encode(input_tensor.reshape(-1), scale, fmt)
+        flat = input_tensor.reshape(-1)
+        sent = encode_into(torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device), flat, scale, fmt)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
-        total = decode_sum(received, world, scale, fmt)
-        if op == dist.ReduceOp.AVG:
-            total = total / world
-        output_tensor.copy_(poison_if(total, nonfinite).reshape(output_tensor.shape))
+        del sent
+        # decoded, summed over the ranks in float32, divided and written a block of columns at a time
+        decode_sum_into(output_tensor, received, world, scale, fmt, divisor=world if op == dist.ReduceOp.AVG else None,
+                        nonfinite=nonfinite)
         return None
 
 
