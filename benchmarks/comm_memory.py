@@ -14,12 +14,13 @@ bucket of float32 gradients.
 
     python benchmarks/comm_memory.py [--label after] [--out benchmarks/results/comm_memory]
 
-writes <out>_<label>.json; benchmarks/results/comm_memory.md is written by hand from the before and after files.
-(No `from __future__ import annotations`: DDP-style hooks are checked by value elsewhere; kept the same here.)
+writes <out>_<label>.json, and <out>.md from <out>_before.json and <out>_after.json once both exist ("before": the
+code of commit eb0bc48, a float32 scale per element and unchunked float32 decoding; "after": the chunked code).
 """
 import argparse
 import datetime
 import json
+import math
 import platform
 import subprocess
 from pathlib import Path
@@ -84,11 +85,62 @@ def measure_reduce_scatter(world: int, n: int, dtype) -> dict:
                 peak_bytes=peak, bytes_per_element=peak / n)
 
 
+def needed(row: dict) -> int:
+    """The uint8 bytes the algorithm's collectives need (see the module docstring of comm_hook.py)."""
+    n, w = row["numel"], row["world"]
+    if row["path"] == "ddp_hook/all_gather":
+        return (1 + w) * n
+    if row["path"] == "ddp_hook/all_to_all":
+        return 2 * w * math.ceil(n / w)
+    return 2 * n
+
+
+def write_markdown(out: str) -> None:
+    before = json.loads(Path(f"{out}_before.json").read_text())
+    after = json.loads(Path(f"{out}_after.json").read_text())
+    lines = [
+        "# Memory of the FP8 gradient communication, per gradient element (CPU, measured)",
+        "",
+        "`python benchmarks/comm_memory.py --label before|after` (module docstring: method and bucket layout). Peak of",
+        "what one call allocates (profiler allocation events on the CPU allocator, torch's fake process group, one",
+        "process), divided by N, the elements of the DDP bucket or of the FSDP2 unit's whole gradient buffer. "
+        "\"needed\": the",
+        "uint8 buffers the collectives need (all_gather: (1 + W) N; all_to_all: 2 W ceil(N/W); reduce-scatter: 2N);",
+        "\"beyond\": the rest, in MiB. DDP buckets use `scaling=\"per_tensor\"`, 12 tensors per block.",
+        "",
+        f"before: commit {before['meta']['commit']} ({before['meta']['date']}); after: commit {after['meta']['commit']} "
+        f"({after['meta']['date']}); torch {after['meta']['torch']}. Float32 and BF16 gradients gave the same numbers "
+        "(BF16 rows in the JSON files).",
+        "",
+        "| path | W | N | before, B/element | after, B/element | needed, B/element | beyond needed, MiB: before | after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for b, a in zip(before["rows"], after["rows"]):
+        assert all(b[k] == a[k] for k in ("path", "world", "dtype", "numel"))
+        if a["dtype"] != "float32":
+            continue
+        n = a["numel"]
+        lines.append(f"| {a['path']} | {a['world']} | {n / 1e6:.1f} M | {b['bytes_per_element']:.2f} | "
+                     f"{a['bytes_per_element']:.2f} | {needed(a) / n:.2f} | {(b['peak_bytes'] - needed(b)) / 2**20:.1f} | "
+                     f"{(a['peak_bytes'] - needed(a)) / 2**20:.1f} |")
+    worst = max((a["peak_bytes"] - needed(a)) / 2**20 for a in after["rows"])
+    was = [(b["peak_bytes"] - needed(b)) / b["numel"] for b in before["rows"]]
+    lines += ["", f"After: at most {worst:.1f} MiB beyond the needed buffers, whatever N (CHUNK = 2^20 elements); "
+              f"before: {min(was):.0f} to {max(was):.0f} bytes per element beyond them. A 0.0 (the reduce-scatter at",
+              "12.6 M): the peak is the moment both uint8 buffers exist; the decode's temporaries come after the send",
+              "buffer is freed and stay below it.", ""]
+    Path(f"{out}.md").write_text("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="after")
     parser.add_argument("--out", default=str(RESULTS / "comm_memory"))
+    parser.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from the JSON files")
     args = parser.parse_args()
+    if args.markdown_only:
+        write_markdown(args.out)
+        return
     torch.set_num_threads(2)
     rows = []
     for world in (2, 8):
@@ -107,6 +159,8 @@ def main() -> None:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 method="peak_allocated_bytes (profiler allocation events, CPU allocator), fake process group")
     Path(f"{args.out}_{args.label}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    if Path(f"{args.out}_before.json").exists() and Path(f"{args.out}_after.json").exists():
+        write_markdown(args.out)
 
 
 if __name__ == "__main__":

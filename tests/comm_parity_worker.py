@@ -1,4 +1,4 @@
-"""The FP8 comm hook and reduce-scatter against the code they replaced (the unchunked one of commit b193b52: a float32
+"""The FP8 comm hook and reduce-scatter against the code they replaced (the unchunked one of commit eb0bc48: a float32
 scale per element, the whole received buffer decoded to float32 at once), on W gloo ranks, bit for bit.
 
     python tests/comm_parity_worker.py OUT W
@@ -27,7 +27,7 @@ from lightning_fp8.numerics.formats import get_format  # noqa: E402
 from lightning_fp8.numerics.quantize import quantize  # noqa: E402
 
 # ---- the replaced code, verbatim but for names (lightning_fp8/distributed/{fp8_reduce,comm_hook,reduce_scatter}.py
-# at b193b52)
+# at eb0bc48)
 
 
 def _old_elementwise(scales, numels, total):

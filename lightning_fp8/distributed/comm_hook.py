@@ -19,6 +19,15 @@ gradient elements on W ranks (the numerics: fp8_reduce.py):
 3. the average written back into the bucket; NaN everywhere if any rank's bucket held inf / NaN (the engine then
    skips the step on every rank).
 
+Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 buffers the collectives need ("all_gather":
+N sent + W N received; "all_to_all": sent and received, W ceil(N/W) bytes each, then N + ceil(N/W) for the means)
+plus at most 13 MiB of temporaries (CHUNK = 2^20 elements at a time, fp8_reduce.py), whatever N: 3.8 bytes
+per element for a 12.6 M-element bucket at W = 2 (before the chunking: 13 + 5W bytes per element with
+"all_gather", 23.5 to 25 with "all_to_all", from a float32 scale per element and the whole received buffer in float32).
+
+The amax all-reduce is per bucket, not per iteration: the scale must be known before the cast, and a bucket's amax
+exists only once backward produced it (fp8_reduce.py's docstring, docs/distributed.md).
+
 No host synchronisation: the amax all-reduce is issued in stream order and the rest is chained on the collective's
 future. Why this module has no `from __future__ import annotations`: DDP checks the hook's annotations by value
 (`torch.futures.Future[torch.Tensor]`), and strings would fail that check.

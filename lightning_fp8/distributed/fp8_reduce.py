@@ -14,6 +14,17 @@ buffer; they differ only in which collectives move the bytes.
   makes the global amax inf (NaN is mapped to inf before the MAX, which some backends drop NaN from), and the
   result is then made NaN on every rank, arithmetically (no host synchronisation), so the engine's check of the
   reduced gradients skips the step on all ranks, as it would after a BF16 all-reduce.
+- Bounded temporaries: a scale per tensor segment (`SegmentScales`), never one float per element, and the encode
+  (`encode_into`) and the decode-and-sum (`decode_sum_into`) run `CHUNK` elements at a time, straight into the uint8
+  send buffer and into the output. What a call allocates is the uint8 buffers its collectives need plus at most
+  13 x CHUNK bytes (measured, CPU: benchmarks/results/comm_memory.md), whatever the buffer's size; the values are
+  the unchunked code's to the bit (tests/test_comm_memory.py).
+- One MAX all-reduce per call (per DDP bucket, per FSDP2 unit), not one per iteration: the shared scale needs the
+  amax of the gradients being cast, which exists only once backward has produced that bucket, while the next
+  buckets are still being computed. A collective per iteration could only carry an earlier iteration's amaxes
+  (delayed scaling: a gradient larger than last step's saturates or, unsaturated, turns the step into a skip) or be
+  issued after backward (too late for DDP's overlap). Its cost is a latency, not bytes: 4 bytes per tensor against
+  the bucket's megabytes (docs/distributed.md, "Why one amax all-reduce per bucket").
 """
 from __future__ import annotations
 
