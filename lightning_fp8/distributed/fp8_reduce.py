@@ -17,7 +17,7 @@ buffer; they differ only in which collectives move the bytes.
 - Bounded temporaries: a scale per tensor segment (`SegmentScales`), never one float per element, and the encode
   (`encode_into`) and the decode-and-sum (`decode_sum_into`) run `CHUNK` elements at a time, straight into the uint8
   send buffer and into the output. What a call allocates is the uint8 buffers its collectives need plus at most
-  13 x CHUNK bytes (measured, CPU: benchmarks/results/comm_memory.md), whatever the buffer's size; the values are
+  10.5 x CHUNK bytes (measured, CPU: benchmarks/results/comm_memory.md), whatever the buffer's size; the values are
   the unchunked code's to the bit (tests/test_comm_memory.py).
 - One MAX all-reduce per call (per DDP bucket, per FSDP2 unit), not one per iteration: the shared scale needs the
   amax of the gradients being cast, which exists only once backward has produced that bucket, while the next
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fp8.numerics.formats import FP8Format
-from lightning_fp8.numerics.quantize import quantize
+from lightning_fp8.numerics.quantize import quantize, saturate
 from lightning_fp8.numerics.scaling import scale_from_amax
 
 Tensor = torch.Tensor
@@ -128,8 +128,14 @@ def encode_into(out: Tensor, x: Tensor, scale, fmt: FP8Format, chunk: Optional[i
     target = out.view(fmt.dtype)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        target[start:stop].copy_(quantize(x[start:stop], segments.scale(start, stop), fmt))
+        cast_into(target[start:stop], x[start:stop], segments.scale(start, stop), fmt)
     return out
+
+
+def cast_into(target: Tensor, x: Tensor, scale: Tensor, fmt: FP8Format) -> Tensor:
+    """`quantize(x, scale, fmt)` (round to nearest) written into the FP8 tensor `target`: the same float32 product
+    and saturation, and the copy into `target` converts as `.to(fmt.dtype)` does (one temporary fewer)."""
+    return target.copy_(saturate(x.to(torch.float32) * scale, fmt))
 
 
 def decode_sum(received: Tensor, ranks: int, scale: Tensor, fmt: FP8Format) -> Tensor:
@@ -158,9 +164,10 @@ def decode_sum_into(out: Tensor, received: Tensor, ranks: int, scale, fmt: FP8Fo
     flat = out.view(-1)
     poison = torch.where(nonfinite, math.nan, 0.0) if nonfinite is not None else None
     for start, stop, total in decoded_blocks(received, ranks, scale, fmt, flat.numel(), divisor, chunk):
-        if poison is not None:
-            total = total + poison.to(total.dtype)
-        flat[start:stop].copy_(total)
+        if poison is None:
+            flat[start:stop].copy_(total)
+        else:  # computed in float32, rounded once to out's dtype: poison_if then copy_
+            torch.add(total, poison, out=flat[start:stop])
     return out
 
 
@@ -179,9 +186,9 @@ def decoded_blocks(received: Tensor, ranks: int, scale, fmt: FP8Format, m: int, 
             total = rows[0, start:stop].to(torch.float32)
         else:
             total = rows[:, start:stop].to(torch.float32).sum(0)
-        total = total / segments.scale(start, stop)
+        total.div_(segments.scale(start, stop))  # in place: the same IEEE divisions, no new block
         if divisor is not None:
-            total = total / divisor
+            total.div_(divisor)
         yield start, stop, total
 
 
@@ -190,5 +197,5 @@ def poison_if(x: Tensor, nonfinite: Tensor) -> Tensor:
     return x + torch.where(nonfinite, math.nan, 0.0).to(x.dtype)
 
 
-__all__ = ["CHUNK", "MIN_COLUMNS", "SegmentScales", "local_amaxes", "shared_scales", "encode", "encode_into", "decode_sum",
-           "decode_sum_into", "decoded_blocks", "poison_if"]
+__all__ = ["CHUNK", "MIN_COLUMNS", "SegmentScales", "local_amaxes", "shared_scales", "encode", "encode_into", "cast_into",
+           "decode_sum", "decode_sum_into", "decoded_blocks", "poison_if"]
