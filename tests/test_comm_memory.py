@@ -25,7 +25,7 @@ from lightning_fp8.numerics.quantize import quantize
 
 WORKER = os.path.join(os.path.dirname(__file__), "comm_parity_worker.py")
 
-#: what a call may allocate beyond its collectives' uint8 buffers, in units of CHUNK bytes (measured: at most 13.0
+#: what a call may allocate beyond its collectives' uint8 buffers, in units of CHUNK bytes (measured: at most 10.5
 #: with the default CHUNK, benchmarks/results/comm_memory.md)
 TEMPORARY_CHUNKS = 16
 
