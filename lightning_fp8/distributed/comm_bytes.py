@@ -20,11 +20,15 @@ bandwidth-optimal algorithm (NCCL-tests' "bus bandwidth" factors): all-reduce 2(
 (W-1) x input, reduce-scatter and all-to-all (W-1)/W x input, broadcast 1 x buffer. Compare collectives of different
 kinds on bus bytes: an all-reduce moves its buffer twice. Timing runs must not use the mode (it costs Python time
 per op). Collectives issued from threads other than the one that entered the mode are not seen.
+
+`peak_allocated_bytes(fn)` measures the other cost of a communication path, the memory it allocates: the peak of the
+CPU allocator's running total while `fn` runs (benchmarks/comm_memory.py: the comm hook's and the reduce-scatter's
+temporaries per gradient element).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,4 +136,32 @@ class CommBytes(TorchDispatchMode):
         )
 
 
-__all__ = ["CommBytes"]
+def peak_allocated_bytes(fn: Callable[[], Any]) -> Tuple[int, Any]:
+    """(peak, fn's result): the most bytes that tensors allocated while `fn` runs held at once, on the CPU allocator
+    (tensors that existed before are not counted; what `fn` returns counts while it is alive inside `fn`). From the
+    profiler's allocation events (`profile_memory=True`), which see every allocation of the c10 CPU allocator,
+    including temporaries inside an operator; allocations of other threads and other devices are not counted, and
+    neither is memory that libraries allocate outside the c10 allocator (gloo's own buffers). A measuring tool:
+    slow, not for training runs."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    allocations = [e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+                   if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
+    allocations.sort(key=lambda e: e.start_time_ns)
+    current = peak = 0
+    for event in allocations:  # a running total of our own: the allocator's counts what existed before too
+        current += event.extra_fields.alloc_size
+        peak = max(peak, current)
+    return peak, result
+
+
+__all__ = ["CommBytes", "peak_allocated_bytes"]

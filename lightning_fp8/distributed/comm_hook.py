@@ -19,6 +19,15 @@ gradient elements on W ranks (the numerics: fp8_reduce.py):
 3. the average written back into the bucket; NaN everywhere if any rank's bucket held inf / NaN (the engine then
    skips the step on every rank).
 
+Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 buffers the collectives need ("all_gather":
+N sent + W N received; "all_to_all": sent and received, W ceil(N/W) bytes each, then N + ceil(N/W) for the means)
+plus at most 10.5 MiB of temporaries (CHUNK = 2^20 elements at a time, fp8_reduce.py), whatever N: 3.67 bytes
+per element for a 12.6 M-element bucket at W = 2 (before the chunking: 13 + 5W bytes per element with
+"all_gather", 23.5 to 25 with "all_to_all", from a float32 scale per element and the whole received buffer in float32).
+
+The amax all-reduce is per bucket, not per iteration: the scale must be known before the cast, and a bucket's amax
+exists only once backward produced it (fp8_reduce.py's docstring, docs/distributed.md).
+
 No host synchronisation: the amax all-reduce is issued in stream order and the rest is chained on the collective's
 future. Why this module has no `from __future__ import annotations`: DDP checks the hook's annotations by value
 (`torch.futures.Future[torch.Tensor]`), and strings would fail that check.
@@ -30,7 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_fp8.distributed.fp8_reduce import decode_sum, elementwise, encode, local_amaxes, poison_if, shared_scales
+from lightning_fp8.distributed.fp8_reduce import (SegmentScales, cast_into, decode_sum_into, decoded_blocks, encode_into,
+                                                  local_amaxes, shared_scales)
 from lightning_fp8.numerics.formats import get_format
 
 COMM_FORMATS = ("e4m3", "e5m2")
@@ -81,53 +91,65 @@ def fp8_comm_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures
     if sum(numels) != buffer.numel():  # a bucket laid out with gaps: one scale for the whole buffer
         grads, numels = [buffer], [buffer.numel()]
     scales, nonfinite = shared_scales(local_amaxes(grads), fmt, state.margin, group)
-    scale = scales[0] if len(numels) == 1 else elementwise(scales, numels, buffer.numel())
     flat = buffer.reshape(-1)
+    segments = SegmentScales(scales, numels, flat.numel())  # per tensor scale, never one float per element
     if state.resolved_algorithm(world) == "all_gather":
-        return _average_by_all_gather(flat, buffer, scale, nonfinite, fmt, world, group)
-    return _average_by_all_to_all(flat, buffer, scale, nonfinite, fmt, world, group)
+        return _average_by_all_gather(flat, buffer, segments, nonfinite, fmt, world, group)
+    return _average_by_all_to_all(flat, buffer, segments, nonfinite, fmt, world, group)
 
 
-def _average_by_all_gather(flat, buffer, scale, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
-    sent = encode(flat, scale, fmt)
+def _average_by_all_gather(flat, buffer, segments, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
+    sent = encode_into(torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device), flat, segments, fmt)
     received = torch.empty(world * sent.numel(), dtype=torch.uint8, device=sent.device)
     work = dist.all_gather_into_tensor(received, sent, group=group, async_op=True)
 
     def average(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed collective
-        mean = decode_sum(received, world, scale, fmt) / world
-        buffer.copy_(poison_if(mean, nonfinite).reshape(buffer.shape))
+        decode_sum_into(buffer, received, world, segments, fmt, divisor=world, nonfinite=nonfinite)
         return buffer
 
     return work.get_future().then(average)
 
 
-def _average_by_all_to_all(flat, buffer, scale, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
+def _average_by_all_to_all(flat, buffer, segments, nonfinite, fmt, world, group) -> torch.futures.Future[torch.Tensor]:
     n = flat.numel()
     chunk = math.ceil(n / world)
-    padded = flat.new_zeros(world * chunk, dtype=torch.float32)
-    padded[:n] = flat
-    full_scale = scale
-    if scale.dim():
-        full_scale = torch.cat([scale, scale.new_ones(world * chunk - n)])
-    sent = encode(padded, full_scale, fmt)
+    padded = SegmentScales(segments.scales, [b - a for a, b in zip(segments.starts, segments.starts[1:])], world * chunk)
+    sent = torch.empty(world * chunk, dtype=torch.uint8, device=flat.device)
+    sent[n:].zero_()  # the padding: zeros (code 0 in both formats), as the cast of 0 gives
+    encode_into(sent, flat, segments, fmt)
     received = torch.empty_like(sent)
     # issued from the hook itself, not from a future's callback: collectives stay in this thread's order (and in
     # the caller's stream on NCCL, where the call returns once enqueued)
     dist.all_to_all_single(received, sent, group=group)
+    del sent
     rank = dist.get_rank(group)
-    own_scale = full_scale[rank * chunk:(rank + 1) * chunk] if full_scale.dim() else full_scale
-    mean = decode_sum(received, world, own_scale, fmt) / world  # this rank's chunk, averaged in float32
-    means = torch.empty(world * chunk, dtype=torch.uint8, device=received.device)
-    work = dist.all_gather_into_tensor(means, encode(mean, own_scale, fmt), group=group, async_op=True)
+    own = _Shifted(padded, rank * chunk)  # the scales of this rank's chunk
+    mine = torch.empty(chunk, dtype=torch.uint8, device=received.device)
+    target = mine.view(fmt.dtype)
+    for start, stop, mean in decoded_blocks(received, world, own, fmt, chunk, divisor=world):
+        # this rank's chunk averaged in float32, re-cast with the same scales (|mean| <= amax: no overflow)
+        cast_into(target[start:stop], mean, own.scale(start, stop), fmt)
+    del received
+    means = torch.empty(world * chunk, dtype=torch.uint8, device=mine.device)
+    work = dist.all_gather_into_tensor(means, mine, group=group, async_op=True)
 
     def average(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed collective
-        out = means.view(fmt.dtype).to(torch.float32) / full_scale
-        buffer.copy_(poison_if(out[:n], nonfinite).reshape(buffer.shape))
+        decode_sum_into(buffer, means, 1, padded, fmt, nonfinite=nonfinite)
         return buffer
 
     return work.get_future().then(average)
+
+
+class _Shifted:
+    """The scales of `segments` from element `offset` on (a rank's chunk of the padded buffer)."""
+
+    def __init__(self, segments: SegmentScales, offset: int) -> None:
+        self.segments, self.offset = segments, offset
+
+    def scale(self, start: int, stop: int) -> torch.Tensor:
+        return self.segments.scale(self.offset + start, self.offset + stop)
 
 
 def bf16_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -7,6 +7,12 @@ cast to FP8 and moved by an all-to-all of uint8 chunks (each rank receives its s
 bytes sent, half of a BF16 reduce-scatter's); a float32 sum of what arrived; FSDP2's reduce op applied (AVG, or SUM
 when FSDP2 divides by itself). Non-finite gradients on any rank make every rank's shard NaN (the engine skips).
 
+Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 send and receive buffers, N bytes each for
+a unit of N gradient elements, and at most 6.5 MiB of float32 temporaries: the received values are decoded and
+summed over the ranks a block of columns at a time (fp8_reduce.decode_sum_into), written straight into FSDP2's
+output. 2.0 bytes per element for a 12.6 M-element unit (before: 8 to 10, the whole received buffer in float32 and
+its sum; a 200 M-parameter unit: about 0.4 GB instead of 2 GB at W = 2).
+
 One scale per call, not per parameter: the buffer's parameter boundaries are FSDP2's private layout. FSDP2 calls it
 synchronously in its reduce-scatter stream; nothing here synchronises with the host.
 
@@ -24,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.distributed.comm_hook import FP8CommState
-from lightning_fp8.distributed.fp8_reduce import decode_sum, encode, local_amaxes, poison_if, shared_scales
+from lightning_fp8.distributed.fp8_reduce import decode_sum_into, encode_into, local_amaxes, shared_scales
 from lightning_fp8.distributed.sharding import fsdp_modules
 from lightning_fp8.numerics.formats import get_format
 
@@ -49,13 +55,14 @@ class FP8ReduceScatter:
         world = group.size()
         scales, nonfinite = shared_scales(local_amaxes([input_tensor]), fmt, self.state.margin, group)
         scale = scales[0]
-        sent = encode(input_tensor.reshape(-1), scale, fmt)
+        flat = input_tensor.reshape(-1)
+        sent = encode_into(torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device), flat, scale, fmt)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
-        total = decode_sum(received, world, scale, fmt)
-        if op == dist.ReduceOp.AVG:
-            total = total / world
-        output_tensor.copy_(poison_if(total, nonfinite).reshape(output_tensor.shape))
+        del sent
+        # decoded, summed over the ranks in float32, divided and written a block of columns at a time
+        decode_sum_into(output_tensor, received, world, scale, fmt, divisor=world if op == dist.ReduceOp.AVG else None,
+                        nonfinite=nonfinite)
         return None
 
 
