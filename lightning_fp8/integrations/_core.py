@@ -153,11 +153,18 @@ class FP8PrecisionCore:
             yield
 
     # -- checkpoint state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, settle: bool = True) -> Dict[str, Any]:
         """Engine state (loss scaler, counters, events) and every FP8 layer's metadata (`fp8_state_dict`), which the
-        model's own state_dict leaves out. An open iteration is closed first and the last step's weights checked (a
-        rollback if they are not finite): a checkpoint holds whole, good iterations."""
-        self.engine.settle()
+        model's own state_dict leaves out. An open iteration is closed first: a checkpoint holds whole iterations.
+
+        settle: also check the weights the last step wrote (`engine.settle`: a rollback if they are not finite) -
+        one collective, so only where every rank asks for the state, as Lightning's and Fabric's checkpoints do
+        (`trainer.save_checkpoint` and `fabric.save` run on every rank). transformers' Trainer saves `scaler.pt`
+        on the main process alone: that path (accelerate/checkpoint.py) passes False."""
+        if settle:
+            self.engine.settle()
+        else:
+            self.engine.end_iteration()
         state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
         if self.options.recipe == "auto":
             state["auto_recipe"] = self.recipe_choice.to_dict()

@@ -30,7 +30,9 @@ class FP8CheckpointState:
         return True
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"format": CHECKPOINT_FORMAT, **self.core.state_dict()}
+        # no collective here: transformers' Trainer asks on the main process alone (scaler.pt); Accelerate's
+        # save_state, which every rank calls, settles the engine before it gets here (FP8Accelerator.save_state)
+        return {"format": CHECKPOINT_FORMAT, **self.core.state_dict(settle=False)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
