@@ -204,10 +204,9 @@ class FP8AllGatherWeight(torch.Tensor):
         A backward re-gather (weights unchanged since its forward) reuses the forward's."""
         if _in_backward() and self._gathered_amax is not None:
             return self._gathered_amax
-        agreed = layer.__dict__.get(_AMAX_ATTR)
-        if agreed is None or not agreed.holds_for(self, group):
+        if not _holds(layer, self, group):
             _agree_batch(layer, self, group)
-            agreed = layer.__dict__[_AMAX_ATTR]
+        agreed = layer.__dict__[_AMAX_ATTR]
         keep_for_current_stream(agreed.amax)  # agreed on another stream (after the optimizer step): FSDP2's copy-in reads it
         self._gathered_amax = agreed.amax
         return self._gathered_amax
@@ -311,16 +310,12 @@ def _shard_and_group(layer: nn.Module) -> Tuple[Optional["FP8AllGatherWeight"], 
 def _local_amaxes(shards: List[torch.Tensor]) -> torch.Tensor:
     """max |shard| of each shard as one float32 vector (0 for an empty shard, as tensor_amax; NaN and inf kept): one
     fused kernel (`torch._foreach_norm`, ord=inf) for all of them rather than one reduction per layer."""
-    device = shards[0].device
     nonempty = [i for i, t in enumerate(shards) if t.numel() > 0]
-    if not nonempty:
-        return torch.zeros(len(shards), dtype=torch.float32, device=device)
-    norms = torch.stack(torch._foreach_norm([shards[i] for i in nonempty], ord=math.inf)).to(torch.float32)
-    if len(nonempty) == len(shards):
-        return norms
-    out = torch.zeros(len(shards), dtype=torch.float32, device=device)
-    out[torch.tensor(nonempty, device=device)] = norms
-    return out
+    values = [torch.zeros((), dtype=torch.float32, device=shards[0].device)] * len(shards)
+    if nonempty:
+        for i, norm in zip(nonempty, torch._foreach_norm([shards[i] for i in nonempty], ord=math.inf)):
+            values[i] = norm.to(torch.float32)  # a no-op for float32 masters
+    return torch.stack(values)
 
 
 def _all_reduce_max(tensor: torch.Tensor, group) -> None:
@@ -359,7 +354,8 @@ def precompute_fp8_weight_amaxes(model: nn.Module) -> int:
     """Agree the weight amax of every FP8-all-gather layer of `model` now: one MAX all-reduce per shard group (one
     under FSDP2 and FSDP2 x TP), so the forward's gathers need no collective. Call it on every rank after the optimizer
     step (as torchao's precompute_float8_dynamic_scale_for_fsdp); the engine does, at each iteration's close.
-    Returns the number of layers agreed.
+    Returns the number of layers agreed: 0, and no collective, when every amax agreed before still holds (a skipped
+    step).
 
     Optional: without it the first gather of a forward agrees them all the same way (from FSDP2's copy-in stream).
     An agreed amax is used only while it is the current weights' (no optimizer step and no write to the shard
@@ -372,9 +368,19 @@ def precompute_fp8_weight_amaxes(model: nn.Module) -> int:
         shard, ranks = _shard_and_group(layer)
         if shard is not None:
             by_group.setdefault(ranks, []).append((layer, shard))
+    agreed = 0
     for ranks, items in by_group.items():
-        _agree(items, _GROUPS[ranks])
-    return sum(len(items) for items in by_group.values())
+        group = _GROUPS[ranks]
+        if all(_holds(layer, shard, group) for layer, shard in items):
+            continue  # nothing changed since the last agreement (a skipped step): no collective
+        _agree(items, group)
+        agreed += len(items)
+    return agreed
+
+
+def _holds(layer: nn.Module, shard: "FP8AllGatherWeight", group) -> bool:
+    agreed = layer.__dict__.get(_AMAX_ATTR)
+    return agreed is not None and agreed.holds_for(shard, group)
 
 
 @dataclass
