@@ -630,7 +630,8 @@ def all_gather_amax_collectives():
             for mode in ("precompute", "lazy", "write"):
                 torch.manual_seed(layers)
                 widths = [32] * layers + [9]
-                base = nn.Sequential(*[m for i in range(layers) for m in (FP8Linear(widths[i], widths[i + 1], recipe=recipe), nn.ReLU())][:-1])
+                linears = [FP8Linear(widths[i], widths[i + 1], recipe=recipe) for i in range(layers)]
+                base = nn.Sequential(*[m for linear in linears for m in (linear, nn.ReLU())][:-1])
                 reference, sharded = copy.deepcopy(base), copy.deepcopy(base)
                 enable_fp8_all_gather(sharded)
                 for layer in sharded:

@@ -8,10 +8,18 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
   (the fp32 master) behaving as itself everywhere (optimizer, checkpoints, state_dict), plus the two hooks.
 - `fsdp_pre_all_gather`, before each unshard: the scale every rank computes identically, `cast_scale` of the
   layer's weight history (identical on all ranks: the engine all-reduces it at each step's close; a layer trained
-  without an engine closes its pending step here first, as its forward would) and of the full weight's amax (one 4-byte MAX all-reduce of the shards' amaxes per layer and forward; backward re-gathers reuse the
-  forward's, the weights cannot have changed in between). Then the shard is cast straight from its fp32 values
-  (one rounding, the bytes a DDP run's cast of the whole weight produces) and handed to FSDP2 as uint8 (collectives
-  do not take float8 dtypes: gloo rejects them).
+  without an engine closes its pending step here first, as its forward would) and of the full weight's amax. Then
+  the shard is cast straight from its fp32 values (one rounding, the bytes a DDP run's cast of the whole weight
+  produces) and handed to FSDP2 as uint8 (collectives do not take float8 dtypes: gloo rejects them).
+- The full weight's amax, for all layers in one collective: `precompute_fp8_weight_amaxes(model)` (after the optimizer
+  step, as torchao's precompute_float8_dynamic_scale_for_fsdp) takes every layer's shard amax with one fused
+  `torch._foreach_norm(inf)` and MAX-all-reduces them as one vector; without that call, the first gather of a forward
+  that finds no valid amax agrees those of every layer enabled with it the same way. The gathers then issue none.
+  An agreed amax is valid while it is the current weights': no step of an optimizer holding these weights (a global
+  optimizer hook counts them) and no write to the shard through this subclass (in place, out=, foreach, through any
+  view of it) since. Those inputs are the same on every rank, so every rank decides alike and the collectives stay
+  matched; a late or missing call costs a collective, never a stale scale. Backward re-gathers reuse the forward's
+  amax (the weights cannot have changed in between). Before: one 4-byte all-reduce per layer and forward.
 - `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
   compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
   before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
@@ -49,7 +57,6 @@ from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
 from lightning_fp8.modules.tensor_parallel import is_dtensor
 from lightning_fp8.numerics.formats import get_format
-from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale
 
 aten = torch.ops.aten
@@ -75,7 +82,7 @@ _REASON_ATTR = "_fp8_all_gather_reason"
 _AMAX_ATTR = "_fp8_all_gather_amax"
 #: the layers enable_fp8_all_gather enabled together (one list shared by them): what one agreement covers
 _BATCH_ATTR = "_fp8_all_gather_batch"
-#: (shard, group) of a layer's last gather: its shard while FSDP2 holds the layer unsharded, the group FSDP2 gathers on
+#: (shard, group ranks) of a layer's last gather: its shard while FSDP2 holds it unsharded, the group FSDP2 gathers on
 _SHARD_ATTR = "_fp8_all_gather_shard"
 
 
@@ -163,7 +170,7 @@ class FP8AllGatherWeight(torch.Tensor):
             cast_key = _PLACEHOLDER_CAST
         fmt = get_format(cast_key.fmt)
         layer.__dict__[_SHARD_ATTR] = (self, _group_ranks(group))
-        amax = self._full_amax(layer, local, group)
+        amax = self._full_amax(layer, group)
         history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
         scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
                            cast_key.power_of_2)
@@ -196,7 +203,7 @@ class FP8AllGatherWeight(torch.Tensor):
                                   metadata.cast_key, source, param_dtype)
         return weight, (data,)
 
-    def _full_amax(self, layer: FP8Layer, local: torch.Tensor, group) -> torch.Tensor:
+    def _full_amax(self, layer: FP8Layer, group) -> torch.Tensor:
         """max |W| over every rank's shard, identical on every rank. A forward gather takes the amax agreed for this
         layer's current shard (precompute_fp8_weight_amaxes after the optimizer step); when there is none, or the
         weights changed since (an optimizer step, an in-place write), it agrees the amaxes of every layer enabled
@@ -207,7 +214,7 @@ class FP8AllGatherWeight(torch.Tensor):
         if not _holds(layer, self, group):
             _agree_batch(layer, self, group)
         agreed = layer.__dict__[_AMAX_ATTR]
-        keep_for_current_stream(agreed.amax)  # agreed on another stream (after the optimizer step): FSDP2's copy-in reads it
+        keep_for_current_stream(agreed.amax)  # maybe agreed on another stream (after the step): read on this one
         self._gathered_amax = agreed.amax
         return self._gathered_amax
 
