@@ -603,6 +603,83 @@ def all_gather_lazy_scales():
     return result
 
 
+def all_gather_amax_collectives():
+    """The weight-amax agreement of FP8 all-gather, counted: MAX all-reduces per training iteration for models of 2 and
+    4 FP8 layers (each its own FSDP2 unit; the last one unevenly sharded), with the agreement made after each optimizer
+    step (`precompute_fp8_weight_amaxes`, as the engine's iteration close does) and without (the forward's first
+    gather agrees them all); outputs, gradients, histories and weights bit for bit against the same model unsharded.
+    Then a write to the weights between the agreement and the forward (an EMA swap would do it): not used stale."""
+    import copy
+
+    from lightning_fp8 import FP8Recipe
+    from lightning_fp8.distributed import all_gather, enable_fp8_all_gather
+    from lightning_fp8.modules.linear import FP8Linear
+
+    precompute = getattr(all_gather, "precompute_fp8_weight_amaxes", None)  # absent before the batched agreement
+    counted = []
+    if hasattr(all_gather, "_all_reduce_max"):
+        real = all_gather._all_reduce_max
+        all_gather._all_reduce_max = lambda tensor, group: (counted.append(tensor.numel()), real(tensor, group))
+    else:  # the per-layer all-reduce of before: count every all-reduce
+        real = dist.all_reduce
+        dist.all_reduce = lambda tensor, *a, **k: (counted.append(tensor.numel()), real(tensor, *a, **k))[1]
+    recipe = FP8Recipe(power_of_2_scales=False)  # exact scales: a changed amax shows in every output
+    result = {}
+    try:
+        for layers in (2, 4):
+            for mode in ("precompute", "lazy", "write"):
+                torch.manual_seed(layers)
+                widths = [32] * layers + [9]
+                linears = [FP8Linear(widths[i], widths[i + 1], recipe=recipe) for i in range(layers)]
+                base = nn.Sequential(*[m for linear in linears for m in (linear, nn.ReLU())][:-1])
+                reference, sharded = copy.deepcopy(base), copy.deepcopy(base)
+                enable_fp8_all_gather(sharded)
+                for layer in sharded:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer)
+                fully_shard(sharded)
+                optimizers = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (reference, sharded)]
+                per_iteration, same = [], []
+                for step in range(4):
+                    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+                    before = len(counted)
+                    if mode == "write" and step == 2:  # after the agreement: every weight scaled on every rank
+                        with torch.no_grad():
+                            for model in (reference, sharded):
+                                for layer in model:
+                                    if isinstance(layer, nn.Linear):
+                                        layer.weight.mul_(1.5)
+                    outs = []
+                    for model, opt in zip((reference, sharded), optimizers):
+                        opt.zero_grad()
+                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                            out = model(x)
+                        out.float().square().sum().backward()
+                        grads = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                                 for p in model.parameters()]
+                        opt.step()
+                        if model is sharded and mode != "lazy" and precompute is not None:
+                            precompute(sharded)  # what the engine does when the iteration closes
+                        weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                   for p in model.parameters()]
+                        outs.append((out.detach().float(), grads, weights))
+                    per_iteration.append(len(counted) - before)
+                    (out_r, grads_r, w_r), (out_s, grads_s, w_s) = outs
+                    ok = torch.equal(out_r, out_s) and all(torch.equal(a, b) for a, b in zip(grads_r, grads_s))
+                    ok = ok and all(torch.equal(a, b) for a, b in zip(w_r, w_s))
+                    ok = ok and all(torch.equal(r.fp8_meta.amax_history, s.fp8_meta.amax_history)
+                                    for r, s in zip(reference, sharded) if isinstance(r, FP8Linear))
+                    same.append(ok)
+                result[(layers, mode)] = {"per_iteration": per_iteration, "same": same}
+        result["sizes"] = sorted(set(counted))
+    finally:
+        if hasattr(all_gather, "_all_reduce_max"):
+            all_gather._all_reduce_max = real
+        else:
+            dist.all_reduce = real
+    return result
+
+
 SCENARIOS = {
     "lightning_fsdp2": lightning_fsdp2,
     "lightning_ddp": lightning_ddp,
@@ -619,6 +696,7 @@ SCENARIOS = {
     "all_gather_bytes": all_gather_bytes,
     "all_gather_paths": all_gather_paths,
     "all_gather_lazy_scales": all_gather_lazy_scales,
+    "all_gather_amax_collectives": all_gather_amax_collectives,
 }
 
 

@@ -110,10 +110,19 @@ def lightning_2d():
     plugin = FP8Precision(loss_scaling="dynamic")
     module = GPTModule()
     callback = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=CKPT_STEP, save_top_k=-1)
-    trainer(plugin, [callback]).fit(module, DataLoader(list(range(4 * STEPS)), batch_size=1))
+    from lightning_fp8.distributed import all_gather, uses_fp8_all_gather
+
+    agreements, real = [], all_gather._all_reduce_max  # the weight-amax all-reduces of FP8 all-gather, counted
+    all_gather._all_reduce_max = lambda amaxes, group: (agreements.append(amaxes.numel()), real(amaxes, group))
+    try:
+        trainer(plugin, [callback]).fit(module, DataLoader(list(range(4 * STEPS)), batch_size=1))
+    finally:
+        all_gather._all_reduce_max = real
     fc1 = module.model.blocks[1].mlp.fc1
     result = {"losses": module.losses, "weights": full_weights(module.model), **summary(plugin.engine, module.model),
-              "fc1_placements": str(fc1.weight.placements), "fc1_local": type(fc1.weight.to_local()).__name__}
+              "fc1_placements": str(fc1.weight.placements), "fc1_local": type(fc1.weight.to_local()).__name__,
+              "amax_all_reduces": agreements,
+              "fp8_all_gather_layers": sum(uses_fp8_all_gather(m) for m in module.model.modules())}
     path = os.path.join(ckpt_dir, sorted(f for f in os.listdir(ckpt_dir) if f"step={CKPT_STEP}" in f)[0])
     result["ckpt_is_dir"] = os.path.isdir(path)
     plugin_b = FP8Precision(loss_scaling="dynamic")

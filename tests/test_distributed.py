@@ -192,3 +192,20 @@ def test_fp8_all_gather_without_an_engine_casts_with_the_closed_history(runs):
     weight scale (and every output from step 2 on) differed from the unsharded model's."""
     for r in runs("all_gather_lazy_scales"):
         assert r["same"] == [True, True, True, True]
+
+
+def test_fp8_all_gather_agrees_every_weight_amax_in_one_all_reduce_per_iteration(runs):
+    """The weight amaxes of all FP8-all-gather layers in one MAX all-reduce per iteration, whatever the layer count
+    (2 or 4): after the optimizer step (precompute_fp8_weight_amaxes, what the engine's close does; the forward then
+    needs none) or, without that call, at the forward's first gather. Before: one all-reduce per layer per forward.
+    Bit for bit the unsharded model's outputs, gradients, histories and weights, also when the weights are written
+    after the agreement (iteration 2 of "write": the forward agrees again instead of using the stale amax)."""
+    for r in runs("all_gather_amax_collectives"):
+        for layers in (2, 4):
+            precomputed, lazy, written = (r[(layers, mode)] for mode in ("precompute", "lazy", "write"))
+            assert precomputed["per_iteration"] == [2, 1, 1, 1]  # iteration 0's forward ran before any precompute
+            assert lazy["per_iteration"] == [1, 1, 1, 1]
+            assert written["per_iteration"] == [2, 1, 2, 1]
+            for run in (precomputed, lazy, written):
+                assert run["same"] == [True] * 4
+        assert r["sizes"] == [2, 4]  # each all-reduce carries every layer's amax

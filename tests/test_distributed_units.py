@@ -147,3 +147,36 @@ def test_keep_for_current_stream_records_cuda_tensors_on_the_current_stream(monk
     cuda_tensor, cpu_tensor = CudaTensor(), torch.ones(1)
     keep_for_current_stream(cuda_tensor, cpu_tensor)
     assert cuda_tensor.recorded == ["current stream of cuda:1"]
+
+
+def test_agreed_weight_amaxes_are_each_shards_tensor_amax_from_one_fused_kernel():
+    """The batched agreement's local amaxes (torch._foreach_norm, ord=inf) equal tensor_amax shard by shard: an empty
+    shard 0, NaN and inf kept (the agreement then turns NaN into inf, as the per-layer all-reduce did), bf16 exact."""
+    from lightning_fp8.distributed.all_gather import _local_amaxes
+    from lightning_fp8.numerics.quantize import tensor_amax
+
+    shards = [torch.randn(3, 4), torch.empty(0, 4), torch.tensor([[1.0, float("nan")]]),
+              torch.randn(5, 2).bfloat16(), torch.tensor([[float("-inf"), 2.0]])]
+    amaxes = _local_amaxes(shards)
+    assert amaxes.dtype == torch.float32 and amaxes.shape == (5,)
+    for amax, shard in zip(amaxes, shards):
+        assert torch.equal(amax, tensor_amax(shard)) or (amax.isnan() and tensor_amax(shard).isnan())
+
+
+def test_writes_to_an_fp8_all_gather_weight_are_counted_through_views_not_copies():
+    """What invalidates an agreed amax besides an optimizer step: any op that writes to the shard through the
+    subclass (in place, out=, foreach lists), also through a view of it (FSDP2's narrowed padded shard, `.detach()`,
+    a state-dict tensor); a copy has a counter of its own. torch's _version misses DTensor and foreach steps."""
+    weight = FP8AllGatherWeight(torch.randn(4, 4))
+    writes = weight._writes
+    view = weight.detach().narrow(0, 0, 2)
+    assert view._writes is writes
+    copy = weight.clone()
+    assert copy._writes is not writes
+    weight.mul_(2.0)
+    view.copy_(torch.zeros(2, 4))
+    torch._foreach_add_([weight], [torch.ones(4, 4)])
+    torch.add(torch.ones(4, 4), 1.0, out=weight)
+    assert writes[0] == 4 and copy._writes[0] == 0
+    weight.sum(), weight.abs()  # reads count nothing
+    assert writes[0] == 4

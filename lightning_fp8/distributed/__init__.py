@@ -1,7 +1,8 @@
 """Scale-out on the engines users already run: FSDP2 (`fully_shard`) with FP8 weight all-gather, and FP8 gradient
 communication for DDP and FSDP2 (docs/distributed.md).
 
-    all_gather.py      FP8AllGatherWeight, enable_fp8_all_gather: FSDP2 gathers FP8 layers' weights as FP8 bytes
+    all_gather.py      FP8AllGatherWeight, enable_fp8_all_gather: FSDP2 gathers FP8 layers' weights as FP8 bytes;
+                       precompute_fp8_weight_amaxes: their scales' amaxes agreed in one all-reduce per iteration
     fp8_reduce.py      the FP8 reduction of gradients with a scale shared across ranks (FP8-LM's automatic scaling)
     comm_hook.py       FP8CommState, fp8_comm_hook: that reduction as a DDP comm hook (bf16_comm_hook: the BF16 baseline)
     reduce_scatter.py  FP8ReduceScatter, enable_fp8_reduce_scatter: the same as FSDP2's reduce-scatter
@@ -21,6 +22,7 @@ from lightning_fp8.distributed.all_gather import (
     FP8AllGatherWeight,
     enable_fp8_all_gather,
     fp8_all_gather_reason,
+    precompute_fp8_weight_amaxes,
     uses_fp8_all_gather,
 )
 from lightning_fp8.distributed.comm_bytes import CommBytes
@@ -33,6 +35,7 @@ __all__ = [
     "FP8AllGatherWeight",
     "enable_fp8_all_gather",
     "fp8_all_gather_reason",
+    "precompute_fp8_weight_amaxes",
     "uses_fp8_all_gather",
     "FP8CommState",
     "fp8_comm_hook",

@@ -8,10 +8,18 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
   (the fp32 master) behaving as itself everywhere (optimizer, checkpoints, state_dict), plus the two hooks.
 - `fsdp_pre_all_gather`, before each unshard: the scale every rank computes identically, `cast_scale` of the
   layer's weight history (identical on all ranks: the engine all-reduces it at each step's close; a layer trained
-  without an engine closes its pending step here first, as its forward would) and of the full weight's amax (one 4-byte MAX all-reduce of the shards' amaxes per layer and forward; backward re-gathers reuse the
-  forward's, the weights cannot have changed in between). Then the shard is cast straight from its fp32 values
-  (one rounding, the bytes a DDP run's cast of the whole weight produces) and handed to FSDP2 as uint8 (collectives
-  do not take float8 dtypes: gloo rejects them).
+  without an engine closes its pending step here first, as its forward would) and of the full weight's amax. Then
+  the shard is cast straight from its fp32 values (one rounding, the bytes a DDP run's cast of the whole weight
+  produces) and handed to FSDP2 as uint8 (collectives do not take float8 dtypes: gloo rejects them).
+- The full weight's amax, for all layers in one collective: `precompute_fp8_weight_amaxes(model)` (after the optimizer
+  step, as torchao's precompute_float8_dynamic_scale_for_fsdp) takes every layer's shard amax with one fused
+  `torch._foreach_norm(inf)` and MAX-all-reduces them as one vector; without that call, the first gather of a forward
+  that finds no valid amax agrees those of every layer enabled with it the same way. The gathers then issue none.
+  An agreed amax is valid while it is the current weights': no step of an optimizer holding these weights (a global
+  optimizer hook counts them) and no write to the shard through this subclass (in place, out=, foreach, through any
+  view of it) since. Those inputs are the same on every rank, so every rank decides alike and the collectives stay
+  matched; a late or missing call costs a collective, never a stale scale. Backward re-gathers reuse the forward's
+  amax (the weights cannot have changed in between). Before: one 4-byte all-reduce per layer and forward.
 - `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
   compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
   before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
@@ -32,8 +40,9 @@ and the gathered weight is that shard, which the FP8 layer's tensor-parallel for
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +57,6 @@ from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
 from lightning_fp8.modules.tensor_parallel import is_dtensor
 from lightning_fp8.numerics.formats import get_format
-from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale
 
 aten = torch.ops.aten
@@ -61,10 +69,21 @@ _PRESERVING_OPS = {
     aten.split.Tensor, aten.split_with_sizes.default, aten.clone.default, aten.detach.default, aten.alias.default,
     aten.chunk.default,
 }
+#: those of them whose result is a view of the same memory: it shares the shard's write counter (`_writes`)
+_VIEW_OPS = {
+    aten.slice.Tensor, aten.narrow.default, aten.view.default, aten.as_strided.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.detach.default, aten.alias.default, aten.chunk.default,
+}
 #: the cast of a layer whose recipe has no per-tensor weight scale (its gathered FP8 copy is never read)
 _PLACEHOLDER_CAST = CastKey(fmt="e4m3", scaling="current", algo_max=True, margin=0, power_of_2=False)
 #: why a layer was left out of FP8 all-gather (set by enable_fp8_all_gather)
 _REASON_ATTR = "_fp8_all_gather_reason"
+#: a layer's weight amax agreed ahead of its gather (an _AgreedAmax; precompute_fp8_weight_amaxes or the lazy refresh)
+_AMAX_ATTR = "_fp8_all_gather_amax"
+#: the layers enable_fp8_all_gather enabled together (one list shared by them): what one agreement covers
+_BATCH_ATTR = "_fp8_all_gather_batch"
+#: (shard, group ranks) of a layer's last gather: its shard while FSDP2 holds it unsharded, the group FSDP2 gathers on
+_SHARD_ATTR = "_fp8_all_gather_shard"
 
 
 class FP8AllGatherWeight(torch.Tensor):
@@ -77,16 +96,19 @@ class FP8AllGatherWeight(torch.Tensor):
     _tensor: torch.Tensor
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor) -> "FP8AllGatherWeight":
+    def __new__(cls, tensor: torch.Tensor, writes: Optional[List[int]] = None) -> "FP8AllGatherWeight":
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
             layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, writes: Optional[List[int]] = None) -> None:
         self._tensor = tensor
         #: the full weight's amax of the last forward gather, reused by backward re-gathers (same weights)
         self._gathered_amax: Optional[torch.Tensor] = None
+        #: how many ops wrote to this memory through the subclass (shared by views of it): an agreed amax is stale
+        #: once it changed. (torch's own `_version` is not: DTensor and foreach / fused optimizer steps leave it as is)
+        self._writes: List[int] = writes if writes is not None else [0]
 
     def __repr__(self) -> str:
         return f"FP8AllGatherWeight({self._tensor!r})"
@@ -113,10 +135,13 @@ class FP8AllGatherWeight(torch.Tensor):
             FP8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {})
         )
         out = func(*unwrapped_args, **unwrapped_kwargs)
+        _count_writes(func, args, kwargs or {})
         if func._schema.name.endswith("_") and args and isinstance(args[0], FP8AllGatherWeight):
             return args[0]  # an in-place op returns its (updated) self
         if func in _PRESERVING_OPS:
-            return pytree.tree_map_only(torch.Tensor, FP8AllGatherWeight, out)
+            source = next((a for a in pytree.tree_leaves(args) if isinstance(a, FP8AllGatherWeight)), None)
+            writes = source._writes if func in _VIEW_OPS and source is not None else None
+            return pytree.tree_map_only(torch.Tensor, lambda t: FP8AllGatherWeight(t, writes), out)
         return out
 
     # -- FSDP2's all-gather extension -------------------------------------------------------------------------------
@@ -144,7 +169,8 @@ class FP8AllGatherWeight(torch.Tensor):
             # takes the exact high-precision gather instead (the keys cannot match); these bytes go unused
             cast_key = _PLACEHOLDER_CAST
         fmt = get_format(cast_key.fmt)
-        amax = self._full_amax(local, group)
+        layer.__dict__[_SHARD_ATTR] = (self, _group_ranks(group))
+        amax = self._full_amax(layer, group)
         history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
         scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
                            cast_key.power_of_2)
@@ -177,16 +203,191 @@ class FP8AllGatherWeight(torch.Tensor):
                                   metadata.cast_key, source, param_dtype)
         return weight, (data,)
 
-    def _full_amax(self, local: torch.Tensor, group) -> torch.Tensor:
-        """max |W| over every rank's shard: one MAX all-reduce in a forward; a backward re-gather (weights unchanged
-        since its forward) reuses it, which keeps every rank's collectives in the same order."""
+    def _full_amax(self, layer: FP8Layer, group) -> torch.Tensor:
+        """max |W| over every rank's shard, identical on every rank. A forward gather takes the amax agreed for this
+        layer's current shard (precompute_fp8_weight_amaxes after the optimizer step); when there is none, or the
+        weights changed since (an optimizer step, an in-place write), it agrees the amaxes of every layer enabled
+        with it first, in one MAX all-reduce (`_agree_batch`): one collective per forward at most, not one per layer.
+        A backward re-gather (weights unchanged since its forward) reuses the forward's."""
         if _in_backward() and self._gathered_amax is not None:
             return self._gathered_amax
-        amax = tensor_amax(local).reshape(1)
-        amax = torch.where(torch.isnan(amax), math.inf, amax)  # NaN can lose a MAX reduction (gloo drops it); inf wins
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        self._gathered_amax = amax.reshape(())
+        if not _holds(layer, self, group):
+            _agree_batch(layer, self, group)
+        agreed = layer.__dict__[_AMAX_ATTR]
+        keep_for_current_stream(agreed.amax)  # maybe agreed on another stream (after the step): read on this one
+        self._gathered_amax = agreed.amax
         return self._gathered_amax
+
+
+# -- the weight amaxes, agreed for all layers at once -------------------------------------------------------------
+@dataclass
+class _AgreedAmax:
+    """A layer's full weight amax as every rank of its shard group agreed it, and what it was agreed for: the shard's
+    memory (its write counter and the count then) and the number of optimizer steps taken in this process then."""
+    amax: torch.Tensor
+    group_ranks: Tuple[int, ...]
+    writes: List[int]
+    write_count: int
+    optimizer_steps: int
+
+    def holds_for(self, shard: "FP8AllGatherWeight", group) -> bool:
+        """Whether it is still the amax of `shard`, gathered over `group`. Every input is the same on every rank
+        (the same ops run on every rank's shard), so every rank decides the same and the collectives stay matched."""
+        return (self.writes is shard._writes and self.write_count == shard._writes[0]
+                and self.optimizer_steps == _OPTIMIZER_STEPS[0] and self.group_ranks == _group_ranks(group))
+
+
+#: steps taken in this process by optimizers of FP8-all-gather weights (a global step hook counts them). An optimizer
+#: may update a shard without writing through the subclass (FP8AdamW leaves an empty shard alone, a fused kernel may
+#: write by pointer), and an empty shard's rank would then miss the change the other ranks see: a step invalidates all
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK: List[Any] = []
+#: optimizer -> (its parameter count, whether one of them is an FP8-all-gather weight), refreshed when the count changes
+_OPTIMIZER_HOLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: the process groups met so far, by their ranks (what layers' agreements record: groups do not deep-copy)
+_GROUPS: Dict[Tuple[int, ...], Any] = {}
+#: written arguments (index, name) of each op's schema, for `_count_writes`
+_WRITTEN_ARGS: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    known = _OPTIMIZER_HOLDS.get(optimizer)
+    if known is None or known[0] != len(params):
+        holds = any(isinstance(p._local_tensor if is_dtensor(p) else p, FP8AllGatherWeight) for p in params)
+        known = _OPTIMIZER_HOLDS[optimizer] = (len(params), holds)
+    if known[1]:  # another model's optimizer leaves these amaxes valid
+        _OPTIMIZER_STEPS[0] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_count_optimizer_step))
+
+
+def _count_writes(func, args, kwargs) -> None:
+    """Count a write to every FP8AllGatherWeight `func` writes to (in-place ops, out= arguments, foreach lists)."""
+    written = _WRITTEN_ARGS.get(func)
+    if written is None:
+        schema = getattr(func, "_schema", None)
+        written = tuple((i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
+                        if a.alias_info is not None and a.alias_info.is_write)
+        _WRITTEN_ARGS[func] = written
+    for index, name in written:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, FP8AllGatherWeight):
+                t._writes[0] += 1
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    _GROUPS.setdefault(ranks, group)
+    return ranks
+
+
+def _fsdp_group(weight: torch.Tensor):
+    """The group FSDP2 shards `weight` (its sharded DTensor parameter) over: the first mesh dimension that shards it
+    (1-D FSDP: the mesh; FSDP2 x TP: the data-parallel dimension before the tensor-parallel one; HSDP: the shard
+    dimension after the replicate one). None when it is not a sharded DTensor."""
+    if not is_dtensor(weight):
+        return None
+    dims = [i for i, p in enumerate(weight.placements) if not (p.is_replicate() or p.is_partial())]
+    if not dims:
+        return None
+    mesh = weight.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(dims[0])
+
+
+def _shard_and_group(layer: nn.Module) -> Tuple[Optional["FP8AllGatherWeight"], Optional[Tuple[int, ...]]]:
+    """(this rank's shard of `layer`'s weight, the ranks of the group FSDP2 gathers it over), or (None, None): the
+    sharded parameter while FSDP2 holds it sharded, else the shard and group of its last gather."""
+    weight = layer.__dict__.get("_parameters", {}).get("weight")
+    recorded = layer.__dict__.get(_SHARD_ATTR)
+    if weight is not None and is_dtensor(weight) and isinstance(weight._local_tensor, FP8AllGatherWeight):
+        if recorded is not None and recorded[0] is weight._local_tensor:
+            return recorded
+        group = _fsdp_group(weight)
+        return (weight._local_tensor, _group_ranks(group)) if group is not None else (None, None)
+    return recorded if recorded is not None else (None, None)
+
+
+def _local_amaxes(shards: List[torch.Tensor]) -> torch.Tensor:
+    """max |shard| of each shard as one float32 vector (0 for an empty shard, as tensor_amax; NaN and inf kept): one
+    fused kernel (`torch._foreach_norm`, ord=inf) for all of them rather than one reduction per layer."""
+    nonempty = [i for i, t in enumerate(shards) if t.numel() > 0]
+    values = [torch.zeros((), dtype=torch.float32, device=shards[0].device)] * len(shards)
+    if nonempty:
+        for i, norm in zip(nonempty, torch._foreach_norm([shards[i] for i in nonempty], ord=math.inf)):
+            values[i] = norm.to(torch.float32)  # a no-op for float32 masters
+    return torch.stack(values)
+
+
+def _all_reduce_max(tensor: torch.Tensor, group) -> None:
+    """The amax agreement's collective (one place, so tests can count it)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+@torch.no_grad()
+def _agree(items: List[Tuple[nn.Module, "FP8AllGatherWeight"]], group) -> None:
+    """Agree the full weight amax of each (layer, shard) over `group`: one MAX all-reduce of their local amaxes."""
+    _watch_optimizer_steps()
+    amaxes = _local_amaxes([shard._tensor for _, shard in items])
+    amaxes = torch.where(torch.isnan(amaxes), math.inf, amaxes)  # NaN can lose a MAX reduction (gloo drops it); inf wins
+    _all_reduce_max(amaxes, group)
+    ranks, steps = _group_ranks(group), _OPTIMIZER_STEPS[0]
+    for i, (layer, shard) in enumerate(items):
+        layer.__dict__[_AMAX_ATTR] = _AgreedAmax(amaxes[i], ranks, shard._writes, shard._writes[0], steps)
+
+
+def _agree_batch(layer: nn.Module, shard: "FP8AllGatherWeight", group) -> None:
+    """A gather found no amax agreed for `layer`'s current weights: agree the amaxes of every layer enabled together
+    with it (and gathered over the same group) at once, so the gathers of the others in this forward need none."""
+    ranks = _group_ranks(group)
+    items = [(layer, shard)]
+    for other in layer.__dict__.get(_BATCH_ATTR, ()):
+        if other is layer:
+            continue
+        other_shard, other_ranks = _shard_and_group(other)
+        if other_shard is not None and other_ranks == ranks:
+            items.append((other, other_shard))
+    _agree(items, group)
+
+
+@torch.no_grad()
+def precompute_fp8_weight_amaxes(model: nn.Module) -> int:
+    """Agree the weight amax of every FP8-all-gather layer of `model` now: one MAX all-reduce per shard group (one
+    under FSDP2 and FSDP2 x TP), so the forward's gathers need no collective. Call it on every rank after the optimizer
+    step (as torchao's precompute_float8_dynamic_scale_for_fsdp); the engine does, at each iteration's close.
+    Returns the number of layers agreed: 0, and no collective, when every amax agreed before still holds (a skipped
+    step).
+
+    Optional: without it the first gather of a forward agrees them all the same way (from FSDP2's copy-in stream).
+    An agreed amax is used only while it is the current weights' (no optimizer step and no write to the shard
+    since), so a late or missing call costs a collective, never a stale scale. Weights must change alike on every
+    rank (as optimizer steps, loads and rollbacks do): a write to one rank's shard alone makes that rank agree alone."""
+    by_group: Dict[Tuple[int, ...], List[Tuple[nn.Module, FP8AllGatherWeight]]] = {}
+    for layer in fp8_layers(model).values():
+        if _BATCH_ATTR not in layer.__dict__:
+            continue
+        shard, ranks = _shard_and_group(layer)
+        if shard is not None:
+            by_group.setdefault(ranks, []).append((layer, shard))
+    agreed = 0
+    for ranks, items in by_group.items():
+        group = _GROUPS[ranks]
+        if all(_holds(layer, shard, group) for layer, shard in items):
+            continue  # nothing changed since the last agreement (a skipped step): no collective
+        _agree(items, group)
+        agreed += len(items)
+    return agreed
+
+
+def _holds(layer: nn.Module, shard: "FP8AllGatherWeight", group) -> bool:
+    agreed = layer.__dict__.get(_AMAX_ATTR)
+    return agreed is not None and agreed.holds_for(shard, group)
 
 
 @dataclass
@@ -291,6 +492,7 @@ def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
     for _, p in model.named_parameters(remove_duplicate=False):
         users[id(p)] = users.get(id(p), 0) + 1
     decisions: Dict[str, Optional[str]] = {}
+    batch: List[nn.Module] = []  # the layers enabled here: one amax agreement covers them all
     for fqn, layer in fp8_layers(model).items():
         if uses_fp8_all_gather(layer):
             decisions[fqn] = None
@@ -303,6 +505,9 @@ def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
         layer.__dict__.pop(_REASON_ATTR, None)
         weight = layer.weight
         layer.weight = nn.Parameter(_with_fp8_all_gather(weight.detach()), requires_grad=weight.requires_grad)
+        layer.__dict__[_BATCH_ATTR] = batch
+        batch.append(layer)
+    _watch_optimizer_steps()
     return decisions
 
 
@@ -326,4 +531,5 @@ def uses_fp8_all_gather(layer: nn.Module) -> bool:
     return isinstance(local, FP8AllGatherWeight)
 
 
-__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_reason", "uses_fp8_all_gather"]
+__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes",
+           "uses_fp8_all_gather"]
