@@ -148,10 +148,10 @@ def _what_keeps_it_lower(result: dict) -> str:
             f"{spec['bf16_efficiency']} BF16) the ceiling is {ceiling:.2f}x before any cast; the casts take "
             f"{sum(t for _, t in casts):.0f} us, the largest being dY's ({largest[1]:.0f} us: the "
             f"{shape['tokens']} x {shape['out_features']} gradient read once in BF16 and written in both FP8 "
-            "layouts), then the backward's re-cast of W^T (Transformer Engine keeps the forward's transpose instead). "
-            "What would remove them: fusing dY's cast into the kernel that produces dY (the next layer's backward "
-            "epilogue; torchao's roofline models the same fusion) and keeping W^T from forward; what would move "
-            "the ceiling: the FP8 GEMM efficiency measured on a GPU (benchmarks/linear.py) "
+            "layouts), the rest the forward's casts of x and W (each writing its transpose in the same pass, kept for "
+            "backward). That is Transformer Engine's structure (one cast per operand, three GEMMs), so no launch is "
+            "left to remove; what would shrink the casts: fusing dY's cast into the kernel that produces dY (the next "
+            "layer's backward epilogue; torchao's roofline models the same fusion); what would move the ceiling: the FP8 GEMM efficiency measured on a GPU (benchmarks/linear.py) "
             "instead of assumed.")
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
+from lightning_fp8.distributed.all_gather import precompute_fp8_weight_amaxes
 from lightning_fp8.engine import clipping, rollback
 from lightning_fp8.engine.checks import IterationFlags, LossRecord, weights_finite, weights_nonfinite
 from lightning_fp8.engine.config import StabilityConfig
@@ -369,6 +370,8 @@ class FP8TrainingEngine:
         self._stepped = []
         self._loss.clear()
         self._norm_flags = []
+        if self.model is not None:  # FSDP2 FP8 all-gather: every layer's weight amax in one collective, after the step
+            precompute_fp8_weight_amaxes(self.model)
 
     def _reset_iteration(self) -> None:
         self._decision, self._stepped, self._joinable, self._joined = None, [], None, set()
