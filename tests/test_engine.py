@@ -219,3 +219,13 @@ def test_the_decision_tells_the_layers_which_histories_size_a_delayed_scale():
     load_fp8_state_dict(model, state)
     assert all(meta.history_sized == [False] * 3 for meta in metas)
 
+
+
+def test_attach_keeps_the_weight_transpose_only_for_unsharded_models(monkeypatch):
+    import lightning_fp8.engine.engine as engine_module
+
+    engine, model, _ = _engine_and_model()
+    assert all(layer.keep_weight_transpose for layer in engine.layers.values())
+    monkeypatch.setattr(engine_module, "is_fsdp_sharded", lambda m: True)
+    engine.attach(model)
+    assert not any(layer.keep_weight_transpose for layer in engine.layers.values())

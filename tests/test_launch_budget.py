@@ -168,3 +168,23 @@ def test_no_cast_launches_a_fill_or_a_conversion():
         forward, backward, _ = layer_launches(RECIPES[name])
         for kernel in forward + backward:
             assert kernel not in ("zeros", "ones", "fill_", "zero_", "_to_copy", "copy_", "clone"), (name, kernel)
+
+
+def test_under_fsdp2_the_backward_casts_the_weight_again_instead_of_holding_its_transpose():
+    """The engine sets `keep_weight_transpose=False` on a model FSDP2 shards: its gathered weights are freed after the
+    forward, and holding W^T until backward would keep a whole unsharded weight per layer. The backward then casts
+    the re-gathered weight (one launch more), as before W^T was kept."""
+    forward, backward, _ = layer_launches(RECIPES["delayed"], under_engine=True)
+    with simulate_cuda((9, 0), triton=True):
+        layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False).to(device="meta", dtype=torch.bfloat16)
+        fp8 = FP8Linear.from_linear(layer, RECIPES["delayed"])
+        fp8.autoupdate_scales, fp8.keep_weight_transpose = False, False
+        fp8.fp8_meta.history_sized = [True, True, True]
+        x = torch.randn(TOKENS, IN_FEATURES, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        with record_launches() as fwd:
+            y = fp8(x)
+        grad = torch.ones_like(y)
+        with record_launches() as bwd:
+            y.backward(grad)
+    assert [launch.name for launch in fwd] == forward
+    assert [launch.name for launch in bwd] == ["cast", "cast", "_scaled_mm", "_scaled_mm"]

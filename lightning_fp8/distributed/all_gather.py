@@ -169,7 +169,7 @@ class FP8AllGatherWeight(torch.Tensor):
             # takes the exact high-precision gather instead (the keys cannot match); these bytes go unused
             cast_key = _PLACEHOLDER_CAST
         fmt = get_format(cast_key.fmt)
-        layer.__dict__[_SHARD_ATTR] = (self, _group_ranks(group))
+        layer.__dict__[_SHARD_ATTR] = (self, _group_ranks(group), group)
         amax = self._full_amax(layer, group)
         history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
         scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
@@ -244,8 +244,6 @@ _OPTIMIZER_STEPS = [0]
 _STEP_HOOK: List[Any] = []
 #: optimizer -> (its parameter count, whether one of them is an FP8-all-gather weight), refreshed when the count changes
 _OPTIMIZER_HOLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: the process groups met so far, by their ranks (what layers' agreements record: groups do not deep-copy)
-_GROUPS: Dict[Tuple[int, ...], Any] = {}
 #: written arguments (index, name) of each op's schema, for `_count_writes`
 _WRITTEN_ARGS: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
 
@@ -283,9 +281,8 @@ def _count_writes(func, args, kwargs) -> None:
 
 
 def _group_ranks(group) -> Tuple[int, ...]:
-    ranks = tuple(dist.get_process_group_ranks(group))
-    _GROUPS.setdefault(ranks, group)
-    return ranks
+    """The global ranks of `group`: what an agreement records (groups do not deep-copy) and compares."""
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _fsdp_group(weight: torch.Tensor):
@@ -301,17 +298,19 @@ def _fsdp_group(weight: torch.Tensor):
     return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(dims[0])
 
 
-def _shard_and_group(layer: nn.Module) -> Tuple[Optional["FP8AllGatherWeight"], Optional[Tuple[int, ...]]]:
-    """(this rank's shard of `layer`'s weight, the ranks of the group FSDP2 gathers it over), or (None, None): the
-    sharded parameter while FSDP2 holds it sharded, else the shard and group of its last gather."""
+def _shard_and_group(layer: nn.Module) -> Tuple[Optional["FP8AllGatherWeight"], Optional[Tuple[int, ...]], Any]:
+    """(this rank's shard of `layer`'s weight, the ranks of the group FSDP2 gathers it over, that group), or (None,
+    None, None): the sharded parameter while FSDP2 holds it sharded, else the shard and group of its last gather.
+    The group object itself travels with the layer, never through a cache keyed by ranks (a process group destroyed
+    and created again over the same ranks would leave a dead object there)."""
     weight = layer.__dict__.get("_parameters", {}).get("weight")
     recorded = layer.__dict__.get(_SHARD_ATTR)
     if weight is not None and is_dtensor(weight) and isinstance(weight._local_tensor, FP8AllGatherWeight):
         if recorded is not None and recorded[0] is weight._local_tensor:
             return recorded
         group = _fsdp_group(weight)
-        return (weight._local_tensor, _group_ranks(group)) if group is not None else (None, None)
-    return recorded if recorded is not None else (None, None)
+        return (weight._local_tensor, _group_ranks(group), group) if group is not None else (None, None, None)
+    return recorded if recorded is not None else (None, None, None)
 
 
 def _local_amaxes(shards: List[torch.Tensor]) -> torch.Tensor:
@@ -350,35 +349,36 @@ def _agree_batch(layer: nn.Module, shard: "FP8AllGatherWeight", group) -> None:
     for other in layer.__dict__.get(_BATCH_ATTR, ()):
         if other is layer:
             continue
-        other_shard, other_ranks = _shard_and_group(other)
+        other_shard, other_ranks, _ = _shard_and_group(other)
         if other_shard is not None and other_ranks == ranks:
             items.append((other, other_shard))
     _agree(items, group)
 
 
 @torch.no_grad()
-def precompute_fp8_weight_amaxes(model: nn.Module) -> int:
+def precompute_fp8_weight_amaxes(model: nn.Module, always: bool = False) -> int:
     """Agree the weight amax of every FP8-all-gather layer of `model` now: one MAX all-reduce per shard group (one
     under FSDP2 and FSDP2 x TP), so the forward's gathers need no collective. Call it on every rank after the optimizer
     step (as torchao's precompute_float8_dynamic_scale_for_fsdp); the engine does, at each iteration's close.
     Returns the number of layers agreed: 0, and no collective, when every amax agreed before still holds (a skipped
-    step).
+    step), unless `always`: the engine agrees at every close regardless, so that every rank's agreements restart
+    from the same point each iteration even if some write reached only some ranks' shards (an uneven in-place load:
+    a rank with an empty shard sees no write), which would otherwise split the ranks on whether to agree.
 
     Optional: without it the first gather of a forward agrees them all the same way (from FSDP2's copy-in stream).
     An agreed amax is used only while it is the current weights' (no optimizer step and no write to the shard
     since), so a late or missing call costs a collective, never a stale scale. Weights must change alike on every
     rank (as optimizer steps, loads and rollbacks do): a write to one rank's shard alone makes that rank agree alone."""
-    by_group: Dict[Tuple[int, ...], List[Tuple[nn.Module, FP8AllGatherWeight]]] = {}
+    by_group: Dict[Tuple[int, ...], Tuple[Any, List[Tuple[nn.Module, FP8AllGatherWeight]]]] = {}
     for layer in fp8_layers(model).values():
         if _BATCH_ATTR not in layer.__dict__:
             continue
-        shard, ranks = _shard_and_group(layer)
+        shard, ranks, group = _shard_and_group(layer)
         if shard is not None:
-            by_group.setdefault(ranks, []).append((layer, shard))
+            by_group.setdefault(ranks, (group, []))[1].append((layer, shard))
     agreed = 0
-    for ranks, items in by_group.items():
-        group = _GROUPS[ranks]
-        if all(_holds(layer, shard, group) for layer, shard in items):
+    for group, items in by_group.values():
+        if not always and all(_holds(layer, shard, group) for layer, shard in items):
             continue  # nothing changed since the last agreement (a skipped step): no collective
         _agree(items, group)
         agreed += len(items)

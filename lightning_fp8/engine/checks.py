@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.engine.config import StabilityConfig
-from lightning_fp8.engine.distributed import all_reduce_max_, local_shards, max_across_ranks
+from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
 from lightning_fp8.engine.host import to_host
 
 
@@ -74,10 +74,16 @@ def weights_nonfinite(model: Optional[nn.Module]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def weights_finite(model: Optional[nn.Module]) -> bool:
-    """Every parameter of `model` is finite on every rank (one fused norm, one host copy, one collective): for the
-    checks that cannot wait for the next decision's flags (before a snapshot overwrites the last good state)."""
-    return max_across_ranks(to_host(weights_nonfinite(model), "weights finite")) == [0.0]
+def weights_finite(model: Optional[nn.Module], flag: Optional[torch.Tensor] = None, agree: bool = True) -> bool:
+    """Every parameter of `model` is finite (one fused norm, or `flag`, a `weights_nonfinite` computed before; one
+    host read): for the checks that cannot wait for the next decision's flags (before a snapshot overwrites the last
+    good state, before a checkpoint). agree=True: on every rank (the flag MAX-reduced on the device first, one
+    collective every rank must join); agree=False: this rank's weights only, no collective (replicated weights,
+    where every rank's answer is the same)."""
+    flag = (weights_nonfinite(model) if flag is None else flag).reshape(1).float()
+    if agree:
+        all_reduce_max_([flag])
+    return to_host(flag, "weights finite") == [0.0]
 
 
 class IterationFlags:

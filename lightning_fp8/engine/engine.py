@@ -42,6 +42,7 @@ from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.distributed.all_gather import precompute_fp8_weight_amaxes
+from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.engine import clipping, rollback
 from lightning_fp8.engine.checks import IterationFlags, LossRecord, weights_finite, weights_nonfinite
 from lightning_fp8.engine.config import StabilityConfig
@@ -55,6 +56,11 @@ from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
+
+
+def _has_sharded_parameters(model: Optional[nn.Module]) -> bool:
+    """Whether some parameter of `model` is a DTensor (FSDP2, tensor parallelism): ranks hold different weights."""
+    return model is not None and any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
 @dataclass
@@ -143,8 +149,12 @@ class FP8TrainingEngine:
                 UserWarning,
                 stacklevel=3,
             )
+        sharded = is_fsdp_sharded(model)
         for layer in self.layers.values():
             layer.autoupdate_scales = False
+            # FSDP2 frees a gathered weight after its forward: keeping W^T for backward would hold a whole unsharded
+            # weight per layer (1 byte per parameter); the backward casts it from the re-gathered weight instead
+            layer.keep_weight_transpose = not sharded
         self.scales = ModelScales(self.layers)
         # a loss-scale change scales every gradient amax by the same factor: delayed gradient scales follow it
         self.scaler.on_change = self.scales.rescale_gradient_history
@@ -157,7 +167,9 @@ class FP8TrainingEngine:
 
     def track(self, optimizers: Sequence[torch.optim.Optimizer], lr_schedulers: Sequence[Any] = ()) -> None:
         """The framework's complete set of optimizers and LR schedulers for a training run (Lightning's `connect`):
-        a fresh run, so the pending iteration and the snapshot of an earlier one are dropped."""
+        a fresh run, so the pending iteration and the snapshot of an earlier one are dropped (the last step's weights
+        checked first: the next decision's snapshot must not take non-finite ones)."""
+        self.settle()
         self._reset_iteration()
         self.optimizers = []
         self.lr_schedulers = []
@@ -185,6 +197,7 @@ class FP8TrainingEngine:
         self._snapshots.scheduler_joined(scheduler)
 
     def replace_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        self.settle()  # the snapshot is dropped: the next one must not take weights the last step made non-finite
         self.optimizers = [new if opt is old else opt for opt in self.optimizers]
         self._snapshots.drop()
 
@@ -281,6 +294,8 @@ class FP8TrainingEngine:
         grads_bad, loss_bad, spike, weights_bad = (values[name][0] > 0 for name in ("gradients", "loss", "spike", "weights"))
         overflow_layers = [key for key, flag in zip(self.scales.keys, values["overflows"]) if flag]
         self.scales.learn_sizes(values["sized"])  # the next forward's delayed casts skip their amax pre-pass
+        if weights_bad:  # a forward on non-finite weights overflows everywhere: no layer to blame for it
+            overflow_layers = []
         self.overflow_events.update(overflow_layers)
         loss_value = values["loss value"][0] if "loss value" in values else None
 
@@ -357,7 +372,7 @@ class FP8TrainingEngine:
             if self.step_count % self.config.snapshot_every == 0:
                 # a snapshot replaces the last good state: its weights are checked first, here (the one read of a
                 # close, every snapshot_every iterations)
-                if not self.weights_finite():
+                if not weights_finite(self.model):
                     self._rollback("non-finite weights", result)
                 else:
                     self._loss.accept()
@@ -371,7 +386,7 @@ class FP8TrainingEngine:
         self._loss.clear()
         self._norm_flags = []
         if self.model is not None:  # FSDP2 FP8 all-gather: every layer's weight amax in one collective, after the step
-            precompute_fp8_weight_amaxes(self.model)
+            precompute_fp8_weight_amaxes(self.model, always=True)
 
     def _reset_iteration(self) -> None:
         self._decision, self._stepped, self._joinable, self._joined = None, [], None, set()
@@ -392,14 +407,17 @@ class FP8TrainingEngine:
         return weights_finite(self.model)
 
     def settle(self) -> None:
-        """Before a checkpoint: check now (one read, one collective: every rank calls it, as every rank saves) the
-        weights the last step wrote, which otherwise the next decision checks, and roll back if they are not
-        finite, so no checkpoint holds them."""
+        """Check now the weights the last step wrote, which otherwise the next decision checks (one read, only when
+        such a check is pending), and roll back if they are not finite: before a checkpoint, an evaluation, the end
+        of a run, or dropping the snapshot. Sharded weights (FSDP2, tensor parallelism: DTensors) are checked on
+        every rank, one collective, so every rank must call it, as it must for their checkpoints; replicated
+        weights (one device, DDP) are checked locally, no collective: every rank's weights are the same, and a
+        checkpoint saved by the main process alone (Accelerate's save_state under DDP) cannot hang here."""
         self.end_iteration()
-        if self._weights_flag is None:
+        flag, self._weights_flag = self._weights_flag, None
+        if flag is None:
             return
-        self._weights_flag = None
-        if not self.weights_finite():
+        if not weights_finite(self.model, flag, agree=_has_sharded_parameters(self.model)):
             result = self.last_result or StepResult(True, iteration=self.step_count)
             self._rollback("non-finite weights", result)  # that iteration's result now says rolled back
 

@@ -160,16 +160,19 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     @contextlib.contextmanager
     def val_step_context(self) -> Iterator[None]:
+        self.engine.settle()  # evaluate checked weights (a read at the first batch after training, none after)
         with self._fp8_context(self.fp8_eval):
             yield
 
     @contextlib.contextmanager
     def test_step_context(self) -> Iterator[None]:
+        self.engine.settle()
         with self._fp8_context(self.fp8_eval):
             yield
 
     @contextlib.contextmanager
     def predict_step_context(self) -> Iterator[None]:
+        self.engine.settle()
         with self._fp8_context(self.fp8_eval):
             yield
 

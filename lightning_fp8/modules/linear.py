@@ -83,6 +83,10 @@ class FP8Layer(nn.Module):
         self.fp8_escalation_reason: Optional[str] = None
         #: False when an engine syncs and updates the scales (once per optimizer step, after an amax all-reduce)
         self.autoupdate_scales = True
+        #: keep the forward's FP8 W^T for the backward where the cast writes it (per-tensor recipes on CUDA): one
+        #: launch less per step for 1 byte per weight element held. The engine sets it False under FSDP2, whose
+        #: gathered weights are freed after the forward (keeping W^T would hold a whole unsharded weight per layer)
+        self.keep_weight_transpose = True
         #: optional callable(role, tensor) called with each high-precision operand before its cast (observability
         #: samples statistics through it); None costs nothing
         self.fp8_observer = None
@@ -209,7 +213,8 @@ class FP8Layer(nn.Module):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
         else:
             # W^T for the input-gradient GEMM from the same pass where the device writes it (kept for backward)
-            keep_w_t = x2d.requires_grad and torch.is_grad_enabled() and kernels.materializes_transpose(weight)
+            keep_w_t = (self.keep_weight_transpose and x2d.requires_grad and torch.is_grad_enabled()
+                        and kernels.materializes_transpose(weight))
             w_fp8, w_t, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training, write_t=keep_w_t)
         cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to, meta.history_sized[ROLE_INDEX["grad_output"]])
         out = apply_fp8_gemms(
