@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fp8.distributed.comm_bytes import peak_allocated_bytes
 from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
+from lightning_fp8.distributed import fp8_reduce
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -168,10 +169,9 @@ def write_markdown(out: str) -> None:
                      f"{(a['peak_bytes'] - needed(a)) / 2**20:.1f} | {b.get('aten_ops', '-')} | {a.get('aten_ops', '-')} |")
     worst = max((a["peak_bytes"] - needed(a)) / 2**20 for a in after["rows"])
     was = [(b["peak_bytes"] - needed(b)) / b["numel"] for b in before["rows"]]
-    lines += ["", f"After: at most {worst:.1f} MiB beyond the needed buffers, whatever N (CHUNK = 2^20 elements); "
-              f"before: {min(was):.0f} to {max(was):.0f} bytes per element beyond them. A 0.0 (the reduce-scatter at",
-              "12.6 M): the peak is the moment both uint8 buffers exist; the decode's temporaries come after the send",
-              "buffer is freed and stay below it.", ""]
+    chunk_log2 = fp8_reduce.CHUNK.bit_length() - 1
+    lines += ["", f"After: at most {worst:.1f} MiB beyond the needed buffers, whatever N (CHUNK = 2^{chunk_log2} "
+              f"elements); before: {min(was):.0f} to {max(was):.0f} bytes per element beyond them.", ""]
     Path(f"{out}.md").write_text("\n".join(lines))
 
 

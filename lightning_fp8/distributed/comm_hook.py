@@ -21,7 +21,7 @@ gradient elements on W ranks (the numerics: fp8_reduce.py):
 
 Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 buffers the collectives need ("all_gather":
 N sent + W N received; "all_to_all": sent and received, W ceil(N/W) bytes each, then N + ceil(N/W) for the means)
-plus at most 10.5 MiB of temporaries (CHUNK = 2^20 elements at a time, fp8_reduce.py), whatever N: 3.67 bytes
+plus at most 42 MiB of temporaries (CHUNK = 2^22 elements at a time, fp8_reduce.py), whatever N: 5.66 bytes
 per element for a 12.6 M-element bucket at W = 2 (before the chunking: 13 + 5W bytes per element with
 "all_gather", 23.5 to 25 with "all_to_all", from a float32 scale per element and the whole received buffer in float32).
 

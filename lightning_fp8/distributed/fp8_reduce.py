@@ -62,7 +62,7 @@ def shared_scales(local_amax: Tensor, fmt: FP8Format, margin: int, group: Option
 #: elements per step of the chunked encode and decode-and-sum: the float32 temporaries of one call are a few times
 #: CHUNK x 4 bytes, whatever the buffer's size (benchmarks/results/comm_memory.md). A power of two: the decode's column
 #: chunks then start where torch's vectorised reduction groups start (bit-identical sums, see `decode_sum_into`).
-CHUNK = 1 << 20
+CHUNK = 1 << 22
 #: the narrowest block of columns the decode sums at once (more than torch's vectorised groups, 64 floats at most)
 MIN_COLUMNS = 1024
 
