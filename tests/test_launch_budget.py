@@ -72,7 +72,8 @@ RECIPES = {
 
 
 def layer_launches(recipe: FP8Recipe, bias: bool = False, tokens: int = TOKENS,
-                   capability: Tuple[int, int] = (9, 0), under_engine: bool = False) -> Tuple[List[str], List[str], List[str]]:
+                   capability: Tuple[int, int] = (9, 0), under_engine: bool = False,
+                   keep_weight_transpose: bool = True) -> Tuple[List[str], List[str], List[str]]:
     """(forward launch names, backward launch names, engine host reads) of one training step of an FP8Linear on meta
     tensors taking the CUDA path of `capability` with the Triton casts. The upstream gradient is made outside the
     recording (it is the next layer's). `under_engine`: the layer as FP8TrainingEngine leaves it after a decision
@@ -81,6 +82,7 @@ def layer_launches(recipe: FP8Recipe, bias: bool = False, tokens: int = TOKENS,
     with simulate_cuda(capability, triton=True), count_host_reads() as reads:
         layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(device="meta", dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(layer, recipe)
+        fp8.keep_weight_transpose = keep_weight_transpose
         if under_engine:
             fp8.autoupdate_scales = False
             fp8.fp8_meta.history_sized = [True, True, True]
@@ -170,21 +172,11 @@ def test_no_cast_launches_a_fill_or_a_conversion():
             assert kernel not in ("zeros", "ones", "fill_", "zero_", "_to_copy", "copy_", "clone"), (name, kernel)
 
 
+
 def test_under_fsdp2_the_backward_casts_the_weight_again_instead_of_holding_its_transpose():
-    """The engine sets `keep_weight_transpose=False` on a model FSDP2 shards: its gathered weights are freed after the
-    forward, and holding W^T until backward would keep a whole unsharded weight per layer. The backward then casts
-    the re-gathered weight (one launch more), as before W^T was kept."""
-    forward, backward, _ = layer_launches(RECIPES["delayed"], under_engine=True)
-    with simulate_cuda((9, 0), triton=True):
-        layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False).to(device="meta", dtype=torch.bfloat16)
-        fp8 = FP8Linear.from_linear(layer, RECIPES["delayed"])
-        fp8.autoupdate_scales, fp8.keep_weight_transpose = False, False
-        fp8.fp8_meta.history_sized = [True, True, True]
-        x = torch.randn(TOKENS, IN_FEATURES, device="meta", dtype=torch.bfloat16, requires_grad=True)
-        with record_launches() as fwd:
-            y = fp8(x)
-        grad = torch.ones_like(y)
-        with record_launches() as bwd:
-            y.backward(grad)
-    assert [launch.name for launch in fwd] == forward
-    assert [launch.name for launch in bwd] == ["cast", "cast", "_scaled_mm", "_scaled_mm"]
+    """The engine sets `keep_weight_transpose=False` on a model FSDP2 shards (tests/test_engine.py): its gathered
+    weights are freed after the forward, and holding W^T until backward would keep a whole unsharded weight per
+    layer. The backward then casts the re-gathered weight (one launch more), as before W^T was kept."""
+    forward, backward, _ = layer_launches(RECIPES["delayed"], under_engine=True, keep_weight_transpose=False)
+    assert forward == EXPECTED_UNDER_ENGINE["delayed"][0]
+    assert backward == ["cast", "cast", "_scaled_mm", "_scaled_mm"]
