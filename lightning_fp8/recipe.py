@@ -32,7 +32,8 @@ _MICROSCALING_FORMATS = {"mxfp8": ("e4m3", "hybrid"), "nvfp4": ("e2m1",)}
 NVFP4_BF16_TAIL = 0.15
 AMAX_ALGO_CHOICES = ("max", "most_recent")
 BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
-BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward")
+BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward",
+                  "allow_emulation")
 
 
 def _check_choice(field_name: str, value: Any, choices: Tuple[str, ...]) -> None:
@@ -70,7 +71,12 @@ class FP8Recipe:
         BF16 faithfully (docs/numerics.md), and what blockwise FP8 recipes use (DeepSeek-V3, TE's block scaling).
     keep_first_last_in_bf16: the default filter keeps the first and the last linear of a model in BF16.
     skip_patterns: glob patterns of layer names (fully qualified) the default filter keeps in BF16.
-    backend: GEMM backend: "auto" picks torch._scaled_mm on CUDA sm89+ and emulation elsewhere.
+    backend: GEMM backend: "auto" picks torch's scaled GEMM on CUDA sm89+ and emulation elsewhere (and for the GEMMs
+        the GPU is known not to take, with a warning); "scaled_mm" insists on the GPU; "emulated" never uses it.
+    allow_emulation: what happens when torch refuses, at run time, a scaled-GEMM call planned for this GPU (a rule of
+        lightning_fp8's planner that does not hold for this torch / cuBLASLt): False (default) raises
+        FP8GemmRefusedError naming the call; True emulates such GEMMs (exact FP8 values, float32 products, many times
+        slower) after a warning. Emulation where no FP8 GEMM can run at all (a CPU, an older GPU) is not affected.
     fast_accum_forward: use fast accumulation for the forward GEMM on `_scaled_mm` (never for gradient GEMMs).
     weight_grad: "quantized" (the weight-gradient GEMM on the recipe's FP8 / FP4 operands) or "high_precision" (that
         GEMM in the compute dtype, BF16, from the layer's input kept in BF16 for backward: torchao's `*_with_gw_hp`
@@ -107,6 +113,7 @@ class FP8Recipe:
     weight_grad: str = "quantized"
     keep_last_blocks_in_bf16: Optional[float] = None
     random_hadamard: Optional[bool] = None
+    allow_emulation: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALING_CHOICES)

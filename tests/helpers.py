@@ -118,3 +118,12 @@ class DispatchCount:
 
     def of(self, name: str) -> int:
         return sum(n for func, n in self.ops.items() if str(func).startswith(name))
+
+
+def gemm_request(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None, use_fast_accum=False,
+                 a_tensor_scale=None, b_tensor_scale=None):
+    """A GemmOperands from flat arguments: A (M, K) and B (K, N) with their scales and tiles (None: per tensor)."""
+    from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+
+    return GemmOperands(FP8Matrix(a, a_scale_inv, a_tile, a_tensor_scale),
+                        FP8Matrix(b, b_scale_inv, b_tile, b_tensor_scale), out_dtype, bias, use_fast_accum)

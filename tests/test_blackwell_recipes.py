@@ -127,7 +127,7 @@ def test_one_cast_op_per_tensor_and_three_gemm_ops(scaling):
     with DispatchCount() as count:
         step()
     assert count.of("lightning_fp8.microscaled_cast") == 4  # x (both layouts), W, dY (both layouts), W^T
-    assert count.of("lightning_fp8.fp8_gemm_tiled") == 3 and count.of("lightning_fp8.tiled_cast") == 0
+    assert count.of("lightning_fp8.fp8_gemm") == 3 and count.of("lightning_fp8.tiled_cast") == 0
 
 
 def test_nvfp4_gradients_round_stochastically_and_reproducibly():

@@ -173,6 +173,7 @@ from lightning_fp8.modules.scaled_mm import (  # noqa: E402
     ScaledMMCall,
     check_call,
     plan_scaled_mm,
+    scaling_kind,
     target_for,
 )
 
@@ -215,22 +216,22 @@ def expected_native(arch, ops):
     planner from the rules of lightning_fp8/modules/scaled_mm.py. (A blockwise recipe's GEMM whose contraction is
     one 128-block is rowwise scaling: one scale per row and column.)"""
     m, k, n = ops.shape
-    kind = ops.kind()
-    if ops.a.dtype == E5 and ops.b.dtype == E5:
+    kind = scaling_kind(ops)
+    if ops.a.data.dtype == E5 and ops.b.data.dtype == E5:
         return False
     if kind == TENSORWISE:
         return True
     if kind == ROWWISE:
-        return arch == "sm90" or (ops.out_dtype != torch.float32 and ops.b.dtype == E4)
+        return arch == "sm90" or (ops.out_dtype != torch.float32 and ops.b.data.dtype == E4)
     if kind == MXFP8:  # Blackwell's MX tensor cores; torch's MX GEMM takes e4m3 only
-        return arch in ("sm100", "sm120") and ops.a.dtype == ops.b.dtype == E4
+        return arch in ("sm100", "sm120") and ops.a.data.dtype == ops.b.data.dtype == E4
     if kind == NVFP4:  # FP4 tensor cores: sm100 here (sm120's path through torch 2.13 is not established)
         return arch == "sm100"
     assert kind in BLOCKWISE, kind
     # the token count is free: the layer pads the weight-gradient GEMM's contraction (x^T's and dY^T's token columns)
     # to whole 128-blocks in the cast; M must be a multiple of 4 (1x128 scales), N of 16 (torch's check of mat_b)
     shape_ok = k % 128 == 0 and m % 4 == 0 and (n % 128 == 0 if kind == BLOCKWISE[0] else n % 16 == 0)
-    return arch == "sm90" and shape_ok and ops.a.dtype == ops.b.dtype == E4
+    return arch == "sm90" and shape_ok and ops.a.data.dtype == ops.b.data.dtype == E4
 
 
 def check_on_every_arch(records, scaling):
@@ -239,14 +240,14 @@ def check_on_every_arch(records, scaling):
     for arch, capability in ARCHS.items():
         target = target_for(capability)
         for ops in records:
-            assert ops.kind() in kinds[scaling], (scaling, ops.kind())
+            assert scaling_kind(ops) in kinds[scaling], (scaling, scaling_kind(ops))
             plan = plan_scaled_mm(ops, target)
-            where = f"{arch}, {scaling}, GEMM {tuple(ops.shape)} {ops.a.dtype} x {ops.b.dtype} -> {ops.out_dtype}"
+            where = f"{arch}, {scaling}, GEMM {tuple(ops.shape)} {ops.a.data.dtype} x {ops.b.data.dtype} -> {ops.out_dtype}"
             if not expected_native(arch, ops):
                 assert isinstance(plan, Refusal) and plan.reason, f"{where}: must be refused with a reason, got {plan}"
                 continue
             assert isinstance(plan, ScaledMMCall), f"{where}: refused ({plan})"
-            assert plan.kind == ops.kind(), where
+            assert plan.kind == scaling_kind(ops), where
             assert check_call(plan) == [], f"{where}: {check_call(plan)}"
             plan.on_meta().launch()  # torch's own checks of the call (meta tensors are checked as CUDA ones)
 
@@ -313,7 +314,7 @@ def test_microscaled_scales_are_swizzled_e8m0_and_two_level_e4m3():
     for scaling, block in (("mxfp8", 32), ("nvfp4", 16)):
         forward = layer_gemms(MICROSCALED_RECIPES[scaling], (100, 768, 256), torch.bfloat16, False)[0]
         call = plan_scaled_mm(forward, target_for((10, 0)))
-        assert call.api == V2 and call.kind == forward.kind()
+        assert call.api == V2 and call.kind == scaling_kind(forward)
         blocks = -(-768 // block)
         assert call.scale_a.numel() == 128 * (-(-blocks // 4) * 4) and call.scale_b.numel() == 256 * (-(-blocks // 4) * 4)
         if scaling == "mxfp8":
@@ -325,7 +326,7 @@ def test_microscaled_scales_are_swizzled_e8m0_and_two_level_e4m3():
         # row r, block c of mat_a's scales sits at the swizzled offset (cuBLAS "1D block scaling factors layout")
         r, c = 70, 5
         offset = (r // 128 * (-(-blocks // 4)) + c // 4) * 512 + (r % 128 % 32) * 16 + (r % 128 // 32) * 4 + c % 4
-        assert call.scale_a.view(torch.uint8)[offset] == forward.a_scale_inv.view(torch.uint8)[r, c]
+        assert call.scale_a.view(torch.uint8)[offset] == forward.a.scale_inv.view(torch.uint8)[r, c]
 
 
 def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
@@ -386,12 +387,12 @@ def assert_b_column_major(records):
     """The second operand of every GEMM reaches it column-major, the layout the scaled GEMM reads: the planner
     passes it on as it is instead of copying it (`scaled_mm._packed`)."""
     for ops in records:
-        k, n = ops.b.shape
-        assert n == 1 or ops.b.stride(0) == 1 and ops.b.stride(1) == k, (tuple(ops.shape), ops.b.stride())
-        if ops.b.device.type == "cpu" and k % 16 == 0 and n % 16 == 0:
+        k, n = ops.b.data.shape
+        assert n == 1 or ops.b.data.stride(0) == 1 and ops.b.data.stride(1) == k, (tuple(ops.shape), ops.b.data.stride())
+        if ops.b.data.device.type == "cpu" and k % 16 == 0 and n % 16 == 0:
             plan = plan_scaled_mm(ops, target_for((9, 0)))
             if isinstance(plan, ScaledMMCall):
-                assert plan.mat_b.data_ptr() == ops.b.data_ptr(), "the planner copied B"
+                assert plan.mat_b.data_ptr() == ops.b.data.data_ptr(), "the planner copied B"
 
 
 @pytest.mark.parametrize("scaling", list(RECIPES))
@@ -440,7 +441,7 @@ def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_
     forward, dgrad, wgrad = records
     assert forward.shape == (200, 256, 384) and dgrad.shape == (200, 384, 256)
     assert wgrad.shape == (384, 256, 256)  # the contraction: 200 tokens padded to 256
-    assert torch.equal(wgrad.a.float()[:, 200:], torch.zeros(384, 56))  # padding: zeros
+    assert torch.equal(wgrad.a.data.float()[:, 200:], torch.zeros(384, 56))  # padding: zeros
     for ops in records:
         call = plan_scaled_mm(ops, target_for((9, 0)))
         assert isinstance(call, ScaledMMCall) and call.kind in BLOCKWISE, call
@@ -448,14 +449,14 @@ def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_
         call.on_meta().launch()
     # and the casts wrote the scales where the GEMM reads them: no copy in the plan
     fwd_call = plan_scaled_mm(forward, target_for((9, 0)))
-    assert fwd_call.scale_b.untyped_storage().data_ptr() == forward.b_scale_inv.untyped_storage().data_ptr()
-    assert fwd_call.scale_a.untyped_storage().data_ptr() == forward.a_scale_inv.untyped_storage().data_ptr()
+    assert fwd_call.scale_b.untyped_storage().data_ptr() == forward.b.scale_inv.untyped_storage().data_ptr()
+    assert fwd_call.scale_a.untyped_storage().data_ptr() == forward.a.scale_inv.untyped_storage().data_ptr()
 
 
 # -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------
-from lightning_fp8.modules.gemm import emulated_gemm  # noqa: E402
-from lightning_fp8.modules.scaled_mm import GemmOperands  # noqa: E402
-from lightning_fp8.modules.tiled_gemm import emulated_tiled_gemm  # noqa: E402
+from helpers import gemm_request  # noqa: E402
+
+from lightning_fp8.modules.emulation import emulate  # noqa: E402
 
 
 def _grid_operands(m, k, n, kind, out_dtype, with_bias, exact, seed=0):
@@ -478,14 +479,11 @@ def _grid_operands(m, k, n, kind, out_dtype, with_bias, exact, seed=0):
             sa, sb = sa * 1.37, sb * 0.61
         tiles = ((1, 0), (0, 1))
     bias = (torch.randint(-32, 33, (n,), generator=g).float() / 4).to(out_dtype) if with_bias else None
-    return GemmOperands(a, sa, tiles[0], b, sb, tiles[1], out_dtype, bias, False)
+    return gemm_request(a, sa, tiles[0], b, sb, tiles[1], out_dtype, bias)
 
 
 def _emulation(ops):
-    if ops.a_tile is None:
-        return emulated_gemm(ops.a, ops.a_scale_inv, ops.b, ops.b_scale_inv, ops.out_dtype, ops.bias)
-    return emulated_tiled_gemm(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
-                               ops.bias, bf16=False)
+    return emulate(ops, bf16=False)
 
 
 NUMERIC_SHAPES = [(48, 256, 40), (33, 40, 24), (16, 64, 128)]
@@ -516,18 +514,23 @@ def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, wit
         else:
             # one output rounding, plus float32 accumulation in another order (and, for scales that are not powers
             # of two, the emulation's dequantized operands rounded once more): k * 2^-23 of the sum of |products|
-            magnitude = (ops.a.double().abs() * ops.a_scale_inv.double()) @ (
-                ops.b.double().abs() * ops.b_scale_inv.double())
+            magnitude = (ops.a.data.double().abs() * ops.a.scale_inv.double()) @ (
+                ops.b.data.double().abs() * ops.b.scale_inv.double())
             bound = (torch.finfo(out_dtype).eps * reference.double().abs() + torch.finfo(out_dtype).tiny
                      + shape[1] * 2.0**-23 * magnitude)
             assert ((result.double() - reference.double()).abs() <= bound).all()
 
 
 # -- failures at launch ----------------------------------------------------------------------------------------------
+def _run(ops, allow_emulation=False):
+    from lightning_fp8.modules.gemm import fp8_gemm
+
+    return fp8_gemm(ops.a, ops.b, ops.out_dtype, ops.bias, allow_emulation=allow_emulation)
+
+
 def test_a_device_failure_propagates_and_never_turns_the_gemm_kind_to_emulation(monkeypatch):
     """An out-of-memory error (or a sticky CUDA error) raised by the scaled GEMM is the device failing, not the call
-    being unsupported: it propagates, and the next call of the same signature runs the scaled GEMM again. Before, one
-    transient OOM sent that GEMM kind to float32 emulation for the rest of the run, silently."""
+    being refused: it propagates as it is, also with allow_emulation, and the next call runs the scaled GEMM again."""
     from lightning_fp8.modules import gemm
     from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
 
@@ -542,32 +545,23 @@ def test_a_device_failure_propagates_and_never_turns_the_gemm_kind_to_emulation(
         return real_launch(self)
 
     monkeypatch.setattr(Call, "launch", launch)
-    gemm._runtime_refusals.clear()
-    args = (ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype)
-    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
-
+    gemm._emulated_refusals.clear()
     with simulate_cuda((9, 0)):
         with pytest.raises(torch.OutOfMemoryError):
-            fp8_gemm_tiled(*args)
-        fp8_gemm_tiled(*args)  # the same signature: the scaled GEMM again, not emulation
+            _run(ops, allow_emulation=True)
+        _run(ops, allow_emulation=True)  # the same signature: the scaled GEMM again, not emulation
         assert launches == [ROWWISE, ROWWISE]
         failures.append(RuntimeError("CUDA error: an illegal memory access was encountered"))
         with pytest.raises(RuntimeError, match="illegal memory access"):
-            fp8_gemm_tiled(*args)
-    assert not gemm._runtime_refusals
+            _run(ops, allow_emulation=True)
+    assert not gemm._emulated_refusals
 
 
-def test_a_refusal_by_torch_is_remembered_per_exact_signature(monkeypatch):
-    """Where torch or the GPU library refuses a call our rules let through (a cuBLASLt without a kernel for it), that
-    exact signature (shapes, strides, dtypes, bias, fast accumulation) is emulated from then on, warned once; a call
-    that differs in any of them still tries the scaled GEMM."""
-    from lightning_fp8.modules import gemm
-    from lightning_fp8.modules.gemm import FP8EmulationWarning
+def _refusing_launch(monkeypatch):
+    """Make torch refuse every planned call without a bias, as a cuBLASLt without a kernel for it would."""
     from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
-    from lightning_fp8.modules.tiled_gemm import fp8_gemm_tiled
 
-    real_launch = Call.launch
-    launches = []
+    real_launch, launches = Call.launch, []
 
     def launch(self):
         launches.append(self.bias is not None)
@@ -576,22 +570,71 @@ def test_a_refusal_by_torch_is_remembered_per_exact_signature(monkeypatch):
         return real_launch(self)
 
     monkeypatch.setattr(Call, "launch", launch)
-    gemm._runtime_refusals.clear()
+    return launches
+
+
+def test_a_planned_call_torch_refuses_raises_naming_the_call(monkeypatch):
+    """A call the planner issued and torch refused at run time is a planning bug, not a reason to slow down 10x in
+    silence: FP8GemmRefusedError names the call (kind, API, every tensor's shape, strides and dtype) and torch's
+    message, and says how to opt in to emulation."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.gemm import FP8GemmRefusedError
+
+    launches = _refusing_launch(monkeypatch)
+    gemm._emulated_refusals.clear()
+    ops = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
+    with simulate_cuda((9, 0)):
+        with pytest.raises(FP8GemmRefusedError) as error:
+            _run(ops)
+    text = str(error.value)
+    for part in ("rowwise scaled GEMM", "torch._scaled_mm", "mat_a=(32, 64) strides (64, 1) float8_e4m3fn",
+                 "mat_b=(64, 48) strides (1, 64) float8_e4m3fn", "scale_a=(32, 1)", "scale_b=(1, 48)", "sm90",
+                 "CUBLAS_STATUS_NOT_SUPPORTED", "FP8Recipe(allow_emulation=True)"):
+        assert part in text, (part, text)
+    assert launches == [False] and not gemm._emulated_refusals
+
+
+def test_a_refused_call_is_emulated_by_opt_in_and_remembered_per_exact_signature(monkeypatch):
+    """With allow_emulation the refused signature (shapes, strides, dtypes, bias, fast accumulation) is emulated from
+    then on, warned once; a call that differs in any of them still tries the scaled GEMM."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.gemm import FP8EmulationWarning
+
+    launches = _refusing_launch(monkeypatch)
+    gemm._emulated_refusals.clear()
     gemm._warned.clear()
     plain = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
     biased = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, True, True)
-
-    def run(ops):
-        return fp8_gemm_tiled(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, ops.out_dtype,
-                              ops.bias)
-
     with simulate_cuda((9, 0)):
         with pytest.warns(FP8EmulationWarning, match="NOT_SUPPORTED"):
-            assert torch.equal(run(plain), _emulation(plain))
-        run(plain)  # remembered: not launched again
-        run(biased)  # another signature: launched
+            assert torch.equal(_run(plain, allow_emulation=True), _emulation(plain))
+        _run(plain, allow_emulation=True)  # remembered: not launched again
+        _run(biased, allow_emulation=True)  # another signature: launched
     assert launches == [False, True]
-    gemm._runtime_refusals.clear()
+    gemm._emulated_refusals.clear()
+
+
+def test_allow_emulation_reaches_every_gemm_of_a_layer(monkeypatch):
+    """FP8Recipe(allow_emulation=...) is what the layer's three GEMMs run under: a refusing torch fails a training
+    step of a default recipe, and the opt-in recipe trains through it with the emulation's result."""
+    from lightning_fp8.modules import gemm
+    from lightning_fp8.modules.gemm import FP8EmulationWarning, FP8GemmRefusedError
+
+    _refusing_launch(monkeypatch)
+    gemm._emulated_refusals.clear()
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    for allow in (False, True):
+        with simulate_cuda((9, 0)):
+            layer = FP8Linear(64, 48, bias=False, recipe=FP8Recipe(scaling="rowwise", allow_emulation=allow))
+            if not allow:
+                with pytest.raises(FP8GemmRefusedError, match="rowwise"):
+                    layer(x.requires_grad_())
+                continue
+            with pytest.warns(FP8EmulationWarning):
+                layer(x.requires_grad_()).float().sum().backward()
+        assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+    gemm._emulated_refusals.clear()
 
 
 # -- host synchronisations -------------------------------------------------------------------------------------------
@@ -793,7 +836,7 @@ GEMM_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatc
 @pytest.mark.parametrize("path", ["cpu_emulation", "sm90", "sm89"])
 @pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "blockwise"])
 def test_gemm_ops_match_their_fake_impls(kind, path):
-    """fp8_gemm / fp8_gemm_tiled: the CPU emulation, and the simulated GPUs' plans (run through CPU _scaled_mm where
+    """fp8_gemm: the CPU emulation, and the simulated GPUs' plans (run through CPU _scaled_mm where
     torch's CPU build has it, emulated where not), return what the fake implementation says (shape, dtype, strides:
     padded and sliced outputs must come back contiguous)."""
     from lightning_fp8.numerics.tiles import quantize_tiles, transposed
@@ -804,15 +847,16 @@ def test_gemm_ops_match_their_fake_impls(kind, path):
     for out_dtype, bias in ((torch.bfloat16, torch.randn(n, generator=g)), (torch.float32, None)):
         if kind == "tensorwise":
             a, b = x.to(E4), w.to(E4).t()
-            args = (a, torch.tensor(0.5), b, torch.tensor(2.0), out_dtype, bias, False, "auto")
-            op = torch.ops.lightning_fp8.fp8_gemm.default
+            args = (a, torch.tensor(0.5), [], None, b, torch.tensor(2.0), [], None, out_dtype, bias, False, "auto",
+                    False)
         else:
             a_tile, b_tile = ((1, 0), (0, 1)) if kind == "rowwise" else ((1, 128), (128, 128))
             fmt = RECIPES["rowwise"].format_for("input")
             qa, sa, _ = quantize_tiles(x, a_tile, fmt)
             qbt, sbt, _ = quantize_tiles(w, transposed(b_tile), fmt)
-            args = (qa, sa, list(a_tile), qbt.t(), sbt.t(), list(b_tile), out_dtype, bias, False, "auto")
-            op = torch.ops.lightning_fp8.fp8_gemm_tiled.default
+            args = (qa, sa, list(a_tile), None, qbt.t(), sbt.t(), list(b_tile), None, out_dtype, bias, False, "auto",
+                    False)
+        op = torch.ops.lightning_fp8.fp8_gemm.default
         with simulate_cuda(ARCHS[path]) if path != "cpu_emulation" else _nothing():
             torch.library.opcheck(op, args, test_utils=GEMM_UTILS)
 

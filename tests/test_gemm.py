@@ -24,9 +24,29 @@ from torch import nn
 
 from lightning_fp8 import FP8Linear, FP8Recipe
 from lightning_fp8.kernels.device import simulate_cuda
-from lightning_fp8.modules.gemm import FP8EmulationWarning, _bf16_gemm, emulated_gemm, fp8_bf16_image, fp8_gemm
-from lightning_fp8.modules.scaled_mm import GemmOperands, Refusal, ScaledMMCall, plan_scaled_mm, target_for
+from lightning_fp8.modules import gemm as gemm_module
+from lightning_fp8.modules.emulation import _bf16_tensorwise, emulate, fp8_bf16_image
+from lightning_fp8.modules.gemm import FP8EmulationWarning
+from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.scaled_mm import Refusal, ScaledMMCall, plan_scaled_mm, target_for
 from lightning_fp8.numerics import E4M3, quantize
+
+
+def _ops(a, sa, b, sb, out_dtype, bias=None, fast_accum=False):
+    """A per-tensor GEMM request: FP8 a (M, K), b (K, N) with their dequant scales."""
+    return GemmOperands(FP8Matrix(a, sa), FP8Matrix(b, sb), out_dtype, bias, fast_accum)
+
+
+def emulated_gemm(a, sa, b, sb, out_dtype, bias=None):
+    return emulate(_ops(a, sa, b, sb, out_dtype, bias))
+
+
+def _bf16_gemm(a, sa, b, sb, bias):
+    return _bf16_tensorwise(_ops(a, sa, b, sb, torch.bfloat16, bias))
+
+
+def fp8_gemm(a, sa, b, sb, out_dtype, bias=None, use_fast_accum=False, backend="auto"):
+    return gemm_module.fp8_gemm(FP8Matrix(a, sa), FP8Matrix(b, sb), out_dtype, bias, use_fast_accum, backend)
 
 HAS_CUDA = torch.cuda.is_available()
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -67,7 +87,8 @@ def test_fp8_gemm_any_layout_and_dtypes():
 
 def test_fp8_gemm_is_a_custom_op_with_fake_impl():
     a, b = _fp8((32, 48), E4, 4), _fp8((48, 16), E4, 5)
-    args = (a, torch.tensor(1.0), b, torch.tensor(0.5), torch.bfloat16, torch.randn(16), False, "emulated")
+    args = (a, torch.tensor(1.0), [], None, b, torch.tensor(0.5), [], None, torch.bfloat16, torch.randn(16), False,
+            "emulated", False)
     # ("test_schema" is left out: it runs arithmetic on the inputs that CPU float8 tensors do not implement)
     torch.library.opcheck(torch.ops.lightning_fp8.fp8_gemm.default, args, test_utils=("test_faketensor",))
 
@@ -89,7 +110,7 @@ def test_fp8_gemm_traces_without_graph_breaks():
 # the _scaled_mm path's layout / padding / bias logic, run through CPU _scaled_mm (slow there: small shapes only)
 # ------------------------------------------------------------------------------------------------------------------
 def _check_scaled_mm_path(a, b, sa, sb, out_dtype, bias, arch=(9, 0)):
-    call = plan_scaled_mm(GemmOperands(a, sa, None, b, sb, None, out_dtype, bias, False), target_for(arch))
+    call = plan_scaled_mm(_ops(a, sa, b, sb, out_dtype, bias), target_for(arch))
     assert isinstance(call, ScaledMMCall), call
     out = call.launch()
     ref = emulated_gemm(a, sa, b, sb, out_dtype, bias)
@@ -125,7 +146,7 @@ def test_scaled_mm_path_pads_and_fixes_layouts(m, k, n, out_dtype, with_bias):
 def test_e5m2_times_e5m2_is_emulated():
     a, b = _fp8((16, 16), E5, 1), _fp8((16, 16), E5, 2)
     one = torch.tensor(1.0)
-    plan = plan_scaled_mm(GemmOperands(a, one, None, b, one, None, torch.float32, None, False), target_for((9, 0)))
+    plan = plan_scaled_mm(_ops(a, one, b, one, torch.float32, None), target_for((9, 0)))
     assert isinstance(plan, Refusal) and "two e5m2" in plan.reason
     import lightning_fp8.modules.gemm as gemm
 
@@ -134,7 +155,7 @@ def test_e5m2_times_e5m2_is_emulated():
         out = fp8_gemm(a, one, b, one, torch.float32)
     assert torch.equal(out, emulated_gemm(a, one, b, one, torch.float32))
     e4 = b.to(torch.float32).to(E4)
-    assert isinstance(plan_scaled_mm(GemmOperands(a, one, None, e4, one, None, torch.float32, None, False),
+    assert isinstance(plan_scaled_mm(_ops(a, one, e4, one, torch.float32, None),
                                      target_for((9, 0))), ScaledMMCall)
 
 
@@ -347,7 +368,7 @@ def test_fp8_bf16_image_is_exact_for_every_code(fmt):
 def test_float32_operands_of_the_emulation_are_exact_for_every_code(fmt):
     """The float32 emulation widens its FP8 operands through the BF16 table (faster than torch's float8 -> float32
     loop on CPU): every code, odd element counts and transposed views give torch's own conversion."""
-    from lightning_fp8.modules.gemm import _float32_image
+    from lightning_fp8.modules.emulation import _float32_image
 
     codes = torch.arange(256, dtype=torch.uint8).view(fmt)
     for x in (codes, codes.reshape(16, 16), codes.reshape(16, 16).t(), codes[:255]):

@@ -28,10 +28,19 @@ import pytest
 import torch
 
 from lightning_fp8 import kernels
-from lightning_fp8.modules.cast import cast_to_fp8, scaled_cast
+from lightning_fp8.modules.cast import PerTensorCaster, cast_to_fp8
 from lightning_fp8.modules.fp8_meta import FP8LinearMeta
 from lightning_fp8.numerics import E4M3, E5M2, cast_scale, close_step, quantize, tensor_amax
 from lightning_fp8.recipe import FP8Recipe
+
+
+def _cast(x, meta, recipe, role, record, transposed=False, generator=None):
+    """A layer's per-tensor cast of `x` as `role`: (x_fp8, x_fp8^T or None, scale, scale_inv)."""
+    operand = PerTensorCaster(recipe).cast(x, meta.amax_history, role, record, layouts=(True, transposed),
+                                           history_sized=meta.history_sized[["input", "weight", "grad_output"].index(role)],
+                                           generator=generator)
+    data_t = operand.transposed.data if operand.transposed is not None else None
+    return operand.matrix.data, data_t, operand.scale, operand.matrix.scale_inv
 
 FORMATS = [E4M3, E5M2]
 HAS_CUDA = torch.cuda.is_available()
@@ -190,12 +199,12 @@ def _run_casts(recipe, use_triton, monkeypatch, device="cpu", seed=0, steps=3):
                 48, 24, generator=torch.Generator().manual_seed(step)).to(device)
             if step == 1 and role == "input":
                 x[3, 5] = float("inf")  # an overflow event: counted when the step closes, never recorded
-            q, q_t, s, s_inv = scaled_cast(x, meta, recipe, role, record=True, write_t=(role != "weight"), generator=g)
+            q, q_t, s, s_inv = _cast(x, meta, recipe, role, True, transposed=(role != "weight"), generator=g)
             outs += [q, q_t if q_t is not None else q.t().contiguous(), s, s_inv]
         torch.ops.lightning_fp8.close_scaling_step(
             meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), step != 1
         )
-        q, _, s, s_inv = scaled_cast(wide_random((8, 24), seed=100 + step, device=device), meta, recipe, "input",
+        q, _, s, s_inv = _cast(wide_random((8, 24), seed=100 + step, device=device), meta, recipe, "input",
                                      record=False)
         outs += [q, s, s_inv]
         y = wide_random((16, 32), seed=200 + step, device=device)
@@ -230,7 +239,7 @@ def test_scaled_cast_op_is_the_numerics_composition(name, monkeypatch):
         if recipe.rounding_for(role) == "stochastic":
             continue  # its noise is drawn inside scaled_cast: bit-exactness with given noise is tested below
         before = meta.amax_history[index].clone()
-        q, _, scale, scale_inv = scaled_cast(x, meta, recipe, role, record=True)
+        q, _, scale, scale_inv = _cast(x, meta, recipe, role, True)
         fmt = recipe.format_for(role)
         mode = "none" if not recipe.uses_scaling_for(role) else recipe.scaling
         expected = cast_scale(before, tensor_amax(x), fmt.max, mode, recipe.amax_compute_algo == "max",
@@ -339,7 +348,7 @@ def test_cast_ops_trace_under_compile_without_graph_breaks():
 
 def test_casts_reject_what_they_cannot_cast():
     with pytest.raises(Exception, match="2-D"):
-        scaled_cast(torch.zeros(2, 3, 4), FP8LinearMeta(FP8Recipe()), FP8Recipe(), "input", record=False)
+        _cast(torch.zeros(2, 3, 4), FP8LinearMeta(FP8Recipe()), FP8Recipe(), "input", False)
     with pytest.raises(ValueError):
         cast_to_fp8(torch.zeros(4), torch.tensor(1.0), E4M3, layout="t")
     with pytest.raises(ValueError, match="delayed"):

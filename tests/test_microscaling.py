@@ -340,8 +340,9 @@ def test_gemm_reference_is_the_per_block_definition(scaling):
 def test_emulated_microscaled_gemm_equals_the_definition(scaling, bf16, out_dtype):
     """Bit for bit where every partial sum is exact (values on a coarse grid), within one output rounding on random
     data; a bias is added before the rounding."""
-    from lightning_fp8.modules.scaled_mm import GemmOperands
-    from lightning_fp8.modules.tiled_gemm import emulated_microscaled_gemm
+    from helpers import gemm_request
+
+    from lightning_fp8.modules.emulation import emulate
 
     g = torch.Generator().manual_seed(1)
     for exact in (True, False):
@@ -354,19 +355,19 @@ def test_emulated_microscaled_gemm_equals_the_definition(scaling, bf16, out_dtyp
         if scaling == "mxfp8":
             a, sa, _ = mx.quantize_mx(x, (1, 32))
             bt, sbt, _ = mx.quantize_mx(w, (1, 32))
-            ops = GemmOperands(a, sa, (1, 32), bt.t(), sbt.t(), (32, 1), out_dtype, bias, False)
+            ops = gemm_request(a, sa, (1, 32), bt.t(), sbt.t(), (32, 1), out_dtype, bias)
         else:
             a, sa, ga, _ = mx.quantize_nvfp4(x, (1, 16))
             bt, sbt, gb, _ = mx.quantize_nvfp4(w, (16, 16))
-            ops = GemmOperands(a, sa, (1, 16), bt.t(), sbt.t(), (16, 16), out_dtype, bias, False, ga, gb)
-        got = emulated_microscaled_gemm(ops, bf16=bf16)
-        want = mx.gemm_reference(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile, out_dtype,
-                                 bias, ops.a_tensor_scale, ops.b_tensor_scale)
+            ops = gemm_request(a, sa, (1, 16), bt.t(), sbt.t(), (16, 16), out_dtype, bias, False, ga, gb)
+        got = emulate(ops, bf16=bf16)
+        want = mx.gemm_reference(ops.a.data, ops.a.scale_inv, ops.a.tile, ops.b.data, ops.b.scale_inv, ops.b.tile, out_dtype,
+                                 bias, ops.a.tensor_scale, ops.b.tensor_scale)
         assert got.dtype == out_dtype
         if exact and scaling == "mxfp8":
             assert torch.equal(got, want)
         else:
-            exact32 = mx.gemm_reference(ops.a, ops.a_scale_inv, ops.a_tile, ops.b, ops.b_scale_inv, ops.b_tile,
-                                        torch.float32, bias, ops.a_tensor_scale, ops.b_tensor_scale).double()
+            exact32 = mx.gemm_reference(ops.a.data, ops.a.scale_inv, ops.a.tile, ops.b.data, ops.b.scale_inv, ops.b.tile,
+                                        torch.float32, bias, ops.a.tensor_scale, ops.b.tensor_scale).double()
             bound = torch.finfo(out_dtype).eps * exact32.abs() + 1e-5 * (exact32.abs().max() + 1)
             assert ((got.double() - exact32).abs() <= bound).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_fp8 import FP8Recipe
-from lightning_fp8.modules.cast import scaled_cast
+from lightning_fp8.modules.cast import PerTensorCaster
 from lightning_fp8.modules.fp8_meta import FP8LinearMeta
 from lightning_fp8.numerics import E4M3, E5M2, scale_from_amax
 
@@ -35,8 +35,9 @@ class Role:
         self.state = self.meta.role(role)
 
     def cast(self, x, record=True, recipe=None):
-        q, _, scale, _ = scaled_cast(x.reshape(1, -1) if x.dim() < 2 else x, self.meta, recipe or self.recipe,
-                                     self.role, record)
+        operand = PerTensorCaster(recipe or self.recipe).cast(x.reshape(1, -1) if x.dim() < 2 else x,
+                                                              self.meta.amax_history, self.role, record)
+        q, scale = operand.matrix.data, operand.scale
         return q, scale
 
     def record(self, amax):

@@ -14,17 +14,28 @@ from lightning_fp8.modules.scaled_mm import (
     BLOCK_1x128_1x128,
     BLOCK_1x128_128x128,
     ROWWISE,
-    GemmOperands,
     Refusal,
     ScaledMMCall,
     plan_scaled_mm,
+    scaling_kind,
     target_for,
 )
-from lightning_fp8.modules.tiled_gemm import emulated_tiled_gemm, fp8_gemm_tiled
+from lightning_fp8.modules.emulation import emulate
+from lightning_fp8.modules.operand import FP8Matrix
 from lightning_fp8.numerics import E4M3, E5M2
 from lightning_fp8.numerics.tiles import expand_tiles, quantize_tiles, tiled_gemm_reference, transposed
 
+from helpers import gemm_request
+
 HAS_CUDA = torch.cuda.is_available()
+
+
+def emulated_tiled_gemm(a, sa, a_tile, b, sb, b_tile, out_dtype, bias=None, bf16=None):
+    return emulate(gemm_request(a, sa, a_tile, b, sb, b_tile, out_dtype, bias), bf16)
+
+
+def fp8_gemm_tiled(a, sa, a_tile, b, sb, b_tile, out_dtype, bias=None, use_fast_accum=False, backend="auto"):
+    return gemm.fp8_gemm(FP8Matrix(a, sa, a_tile), FP8Matrix(b, sb, b_tile), out_dtype, bias, use_fast_accum, backend)
 
 
 def _operands(m, k, n, a_tile, b_tile, fmt_b=E4M3, seed=0, device="cpu", spread=True):
@@ -116,7 +127,7 @@ def test_non_power_of_two_scales_run_the_definition():
 
 def _kind(a, a_tile, b, b_tile):
     one = torch.tensor(1.0)
-    return GemmOperands(a, one, a_tile, b, one, b_tile, torch.bfloat16, None, False).kind()
+    return scaling_kind(gemm_request(a, one, a_tile, b, one, b_tile, torch.bfloat16))
 
 
 def test_scaled_mm_kind():
@@ -129,7 +140,7 @@ def test_scaled_mm_kind():
     # kinds a target refuses, with the reason
     one = torch.tensor(1.0)
     def blockwise(m, k):
-        return GemmOperands(a8[:m, :k], torch.ones(m, -(-k // 128)), (1, 128), b8[:k], torch.ones(-(-k // 128), 1),
+        return gemm_request(a8[:m, :k], torch.ones(m, -(-k // 128)), (1, 128), b8[:k], torch.ones(-(-k // 128), 1),
                             (128, 128), torch.bfloat16, None, False)
 
     # the token count (M) is free up to cuBLASLt's multiple of 4 for 1x128 scales (it was refused unless a multiple
@@ -137,7 +148,7 @@ def test_scaled_mm_kind():
     assert isinstance(plan_scaled_mm(blockwise(100, 384), target_for((9, 0))), ScaledMMCall)
     assert "multiple of 4" in plan_scaled_mm(blockwise(102, 384), target_for((9, 0))).reason
     assert "K (the contraction)" in plan_scaled_mm(blockwise(100, 300), target_for((9, 0))).reason
-    e5 = GemmOperands(a8.to(torch.float8_e5m2), one, (1, 0), b8.to(torch.float8_e5m2), one, (0, 1), torch.bfloat16,
+    e5 = gemm_request(a8.to(torch.float8_e5m2), one, (1, 0), b8.to(torch.float8_e5m2), one, (0, 1), torch.bfloat16,
                       None, False)
     assert "two e5m2" in plan_scaled_mm(e5, target_for((9, 0))).reason
 
@@ -150,7 +161,7 @@ def test_rowwise_scaled_mm_path_through_cpu_scaled_mm(m, k, n, with_bias):
     bias = torch.randn(n) if with_bias else None
 
     def planned(a, b):
-        call = plan_scaled_mm(GemmOperands(a, sa, (1, 0), b, sb, (0, 1), torch.bfloat16, bias, False),
+        call = plan_scaled_mm(gemm_request(a, sa, (1, 0), b, sb, (0, 1), torch.bfloat16, bias, False),
                               target_for((9, 0)))
         assert isinstance(call, ScaledMMCall), call
         return call.launch()
@@ -258,7 +269,7 @@ def test_dequantized_operands_are_the_fp8_values_times_their_tile_scales(tile, d
     """The emulation's dequantization (a blocked view times the scales where the tiles divide the operand, through
     the transpose for a transposed operand; expanded scales for ragged tiles) is element for element the product the
     definition takes."""
-    from lightning_fp8.modules.tiled_gemm import dequantized
+    from lightning_fp8.modules.emulation import dequantized
     from lightning_fp8.numerics.tiles import grid_shape
 
     g = torch.Generator().manual_seed(7)

@@ -1,9 +1,8 @@
-"""How one tensor role of an FP8 layer is cast: recipe -> arguments of the cast op.
-
-Every cast FP8Layer makes is one `lightning_fp8::scaled_cast` op (lightning_fp8/kernels/ops.py): it reads the role's
-amax history, derives the scale under the cast's recipe (numerics/scaling.py), casts, and writes the tensor's amax
-into the history's open slot, all on the device. The torch reference runs on CPU; CUDA runs the Triton kernels.
-Nothing here computes; it only translates a recipe, and gives observers the scale a cast uses.
+"""How each tensor role of an FP8 layer is cast: one caster per scaling family, chosen from the recipe
+(`caster_for`), each turning the recipe into the arguments of one cast op (lightning_fp8/kernels) and the op's output
+into an `FP8Operand`. The ops read the role's amax history, derive the scale on the device, cast, and record the
+tensor's amax into the history's open slot. Also here: the scale a cast uses, for observers (`cast_scale`), and a
+cast with a known scale and no state (`cast_to_fp8`).
 """
 from __future__ import annotations
 
@@ -12,11 +11,13 @@ from typing import Optional, Tuple
 import torch
 
 from lightning_fp8 import kernels
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, RoleState
+from lightning_fp8.kernels.device import profile_of
+from lightning_fp8.kernels.microscaled_ops import transposed_noise_shape
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX, RoleState
+from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
+from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.scaling import cast_scale as _cast_scale
-from lightning_fp8.kernels.microscaled_ops import transposed_noise_shape
-from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.tiles import expand_tiles, operand_tiles, tile_amax, tile_scales
 from lightning_fp8.recipe import FP8Recipe
 
@@ -25,102 +26,131 @@ Tensor = torch.Tensor
 
 def scaling_mode(recipe: FP8Recipe, role: str, record: bool) -> str:
     """The per-tensor scaling of a cast: "none" for an unscaled role, current scaling outside training (evaluation
-    never uses or changes the training state), else the recipe's. (Fine-grained recipes cast with `tiled_cast`.)"""
+    never uses or changes the training state), else the recipe's. (Tiled recipes have no per-tensor scaling.)"""
     if not recipe.uses_scaling_for(role):
         return "none"
     return recipe.scaling if record else "current"
 
 
-def scaled_cast(
-    x: Tensor,
-    meta: FP8LinearMeta,
-    recipe: FP8Recipe,
-    role: str,
-    record: bool,
-    write_t: bool = False,
-    generator: Optional[torch.Generator] = None,
-    pad_to: int = 1,
-) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
-    """Cast `x` (2-D) as `role` under `recipe`: (x_fp8, x_fp8^T or None, scale, scale_inv); x^T's columns (the
-    tokens) zero-padded to a multiple of `pad_to`.
+class Caster:
+    """Casts the tensor roles of a layer for one scaling family (Transformer Engine's Quantizer; torchao's
+    Float8TrainingTensor constructors). `caster_for(recipe)` picks the family once from the recipe.
 
-    record=True (training) accumulates x's amax into the role's open history slot; record=False (evaluation) leaves
-    the state untouched and uses current scaling. x_fp8^T comes back only where the device writes it in the same
-    pass (CUDA); elsewhere use x_fp8.t()."""
-    fmt = recipe.format_for(role)
-    noise = None
-    if recipe.rounding_for(role) == "stochastic":
-        noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    return kernels.scaled_cast(
-        x,
-        meta.amax_history,
-        ROLE_INDEX[role],
-        fmt,
-        scaling_mode(recipe, role, record),
-        recipe.amax_compute_algo == "max",
-        recipe.margin,
-        recipe.power_of_2_scales,
-        write_t=write_t,
-        record=record,
-        noise=noise,
-        pad_to=pad_to,
-        history_sized=record and meta.history_sized[ROLE_INDEX[role]],
-    )
+    Every method takes 2-D tensors; `history` is the layer's [3, L+1] amax history (FP8LinearMeta.amax_history)."""
 
+    def __init__(self, recipe: FP8Recipe) -> None:
+        self.recipe = recipe
 
-def tiled_cast(
-    x: Tensor,
-    meta: FP8LinearMeta,
-    recipe: FP8Recipe,
-    role: str,
-    record: bool,
-    layouts: Tuple[bool, bool] = (True, True),
-    generator: Optional[torch.Generator] = None,
-    pad_to: int = 1,
-):
-    """Cast `x` (2-D) as `role` under a fine-grained recipe: ((x_q, scales, tensor scale), (x^T_q, scales^T, tensor
-    scale^T)), the layouts not asked for (`layouts` = (x, x^T)) as (None, None, None); the tensor scale is None except
-    for NVFP4. One op: `lightning_fp8::tiled_cast` (rowwise, blockwise: float32 dequant scales) or
-    `lightning_fp8::microscaled_cast` (mxfp8, nvfp4); record=True accumulates x's amax into the role's open history
-    slot (the scales never depend on it). x^T's columns (the tokens, where x is an activation) are zero-padded to a
-    multiple of `pad_to` (rowwise / blockwise; the microscaled GEMM pads its own operands)."""
-    return cast_tiles(x, meta.amax_history, ROLE_INDEX[role], recipe, role, record, layouts, generator, pad_to)
+    def cast(self, x: Tensor, history: Tensor, role: str, record: bool, layouts: Tuple[bool, bool] = (True, False),
+             pad_to: int = 1, history_sized: bool = False, generator: Optional[torch.Generator] = None) -> FP8Operand:
+        """Cast `x` as `role` (one op): FP8Operand with the layouts asked for, layouts = (x, x^T); x^T's columns
+        (the tokens, for an activation or a gradient) zero-padded to a multiple of `pad_to`.
+
+        record: training (the role's amax goes into the history's open slot, the recipe's scaling applies);
+        evaluation (False) leaves the state alone. history_sized: the engine knows the role's history sizes a delayed
+        scale (a per-tensor delayed cast then skips its amax pre-pass). generator: the noise of stochastic rounding."""
+        raise NotImplementedError
+
+    def weight_for_dgrad(self, weight: Tensor, history: Tensor, scale: Optional[Tensor],
+                         scale_inv: Optional[Tensor]) -> FP8Matrix:
+        """W (out, in) as the input-gradient GEMM's second operand, cast again in backward as the forward cast it:
+        with the forward's `scale` (per-tensor) or statelessly (tiled scales depend on the weight only)."""
+        raise NotImplementedError
+
+    def token_padding(self, x: Tensor, transposed: bool) -> int:
+        """The multiple x^T's token columns are padded to in the cast that writes them, so the weight-gradient GEMM,
+        which contracts the tokens, needs no padding copy: 1 where nothing is padded."""
+        return 1
+
+    def _noise(self, role: str, shape, device, generator) -> Optional[Tensor]:
+        if self.recipe.rounding_for(role) != "stochastic":
+            return None
+        return torch.rand(tuple(shape), generator=generator, device=device, dtype=torch.float32)
 
 
-def cast_tiles(
-    x: Tensor,
-    history: Tensor,
-    role_index: int,
-    recipe: FP8Recipe,
-    role: str,
-    record: bool,
-    layouts: Tuple[bool, bool] = (True, True),
-    generator: Optional[torch.Generator] = None,
-    pad_to: int = 1,
-):
-    """`tiled_cast` on a history tensor (what the fine-grained autograd function calls in backward)."""
-    tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
-    tile, tile_t = tile if layouts[0] else (), tile_t if layouts[1] else ()
-    stochastic = recipe.rounding_for(role) == "stochastic"
-    if recipe.microscaled:
-        hadamard = recipe.random_hadamard and role != "weight"  # the weight-gradient GEMM's inputs: x^T and dY^T
-        noise = noise_t = None
-        if stochastic:
-            if tile:
-                noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-            if tile_t:
-                noise_t = torch.rand(transposed_noise_shape(x.shape, hadamard), generator=generator, device=x.device,
-                                     dtype=torch.float32)
-        return kernels.microscaled_cast(
-            x, history, role_index, recipe.scaling, recipe.format_for(role), tile, tile_t, hadamard_t=hadamard,
+class PerTensorCaster(Caster):
+    """One scale per tensor (scaling "delayed" / "current"): `lightning_fp8::scaled_cast`, whose scale comes from the
+    role's amax history (delayed) or the tensor's own amax (current). The cast always writes x; x^T only where the
+    device writes it in the same pass (CUDA), else `FP8Operand.matrix_t` is a view of x."""
+
+    def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):
+        recipe = self.recipe
+        write_t = layouts[1] and kernels.materializes_transpose(x)
+        data, data_t, scale, scale_inv = kernels.scaled_cast(
+            x, history, ROLE_INDEX[role], recipe.format_for(role), scaling_mode(recipe, role, record),
+            recipe.amax_compute_algo == "max", recipe.margin, recipe.power_of_2_scales, write_t=write_t,
+            record=record, noise=self._noise(role, x.shape, x.device, generator), pad_to=pad_to if write_t else 1,
+            history_sized=record and history_sized,
+        )
+        transposed = FP8Matrix(data_t, scale_inv) if data_t is not None else None
+        return FP8Operand(FP8Matrix(data, scale_inv), transposed, scale)
+
+    def weight_for_dgrad(self, weight, history, scale, scale_inv):
+        fmt = self.recipe.format_for("weight")
+        if kernels.materializes_transpose(weight):  # the layout the scaled GEMM reads: W^T row-major
+            return FP8Matrix(cast_to_fp8(weight, scale, fmt, layout="t"), scale_inv).t()
+        return FP8Matrix(cast_to_fp8(weight, scale, fmt), scale_inv)
+
+    def token_padding(self, x, transposed):
+        # torch's scaled GEMM takes its contraction in multiples of 16
+        return 16 if transposed and kernels.materializes_transpose(x) and x.shape[0] % 16 else 1
+
+
+class TiledCaster(Caster):
+    """One scale per tile, stateless (scaling "rowwise" / "blockwise"): `lightning_fp8::tiled_cast`, both layouts in
+    one op; the history only records the tensor's amax (overflow detection, monitoring)."""
+
+    def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):
+        recipe = self.recipe
+        tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
+        tile, tile_t = (tile if layouts[0] else ()), (tile_t if layouts[1] else ())
+        (q, s), (q_t, s_t) = kernels.tiled_cast(
+            x, history, ROLE_INDEX[role], recipe.format_for(role), tile, tile_t, recipe.margin,
+            recipe.power_of_2_scales, record=record, noise=self._noise(role, x.shape, x.device, generator),
+            pad_to=pad_to,
+        )
+        return FP8Operand(FP8Matrix(q, s, tile) if q is not None else None,
+                          FP8Matrix(q_t, s_t, tile_t) if q_t is not None else None)
+
+    def weight_for_dgrad(self, weight, history, scale, scale_inv):
+        return self.cast(weight, history, "weight", False, layouts=(False, True)).transposed.t()
+
+    def token_padding(self, x, transposed):
+        if not profile_of(x.device).is_cuda:
+            return 1  # the emulation takes any shape
+        return int(self.recipe.block_size) if self.recipe.scaling == "blockwise" else 16
+
+
+class MicroscaledCaster(Caster):
+    """Blackwell's block-scaled formats (scaling "mxfp8" / "nvfp4"): `lightning_fp8::microscaled_cast`, both layouts
+    in one op, with NVFP4's float32 tensor scale and, on the weight-gradient GEMM's operands (x^T, dY^T), its random
+    Hadamard transform. The microscaled GEMM pads its own operands."""
+
+    def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):
+        recipe = self.recipe
+        tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
+        tile, tile_t = (tile if layouts[0] else ()), (tile_t if layouts[1] else ())
+        hadamard = recipe.random_hadamard and role != "weight"
+        noise = self._noise(role, x.shape, x.device, generator) if tile else None
+        noise_t = self._noise(role, transposed_noise_shape(x.shape, hadamard), x.device, generator) if tile_t else None
+        (q, s, g), (q_t, s_t, g_t) = kernels.microscaled_cast(
+            x, history, ROLE_INDEX[role], recipe.scaling, recipe.format_for(role), tile, tile_t, hadamard_t=hadamard,
             noise=noise, noise_t=noise_t, record=record,
         )
-    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if stochastic else None
-    (q, s), (q_t, s_t) = kernels.tiled_cast(
-        x, history, role_index, recipe.format_for(role), tile, tile_t, recipe.margin, recipe.power_of_2_scales,
-        record=record, noise=noise, pad_to=pad_to,
-    )
-    return (q, s, None), (q_t, s_t, None)
+        return FP8Operand(FP8Matrix(q, s, tile, g) if q is not None else None,
+                          FP8Matrix(q_t, s_t, tile_t, g_t) if q_t is not None else None)
+
+    def weight_for_dgrad(self, weight, history, scale, scale_inv):
+        return self.cast(weight, history, "weight", False, layouts=(False, True)).transposed.t()
+
+
+def caster_for(recipe: FP8Recipe) -> Caster:
+    """The caster of `recipe`'s scaling family."""
+    if recipe.microscaled:
+        return MicroscaledCaster(recipe)
+    if recipe.fine_grained:
+        return TiledCaster(recipe)
+    return PerTensorCaster(recipe)
 
 
 def cast_scale(
@@ -181,4 +211,5 @@ def cast_to_fp8(
     return out_t if layout == "t" else (out, out_t)
 
 
-__all__ = ["scaled_cast", "tiled_cast", "cast_tiles", "cast_scale", "cast_to_fp8", "scaling_mode"]
+__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "caster_for", "cast_scale", "cast_to_fp8",
+           "scaling_mode"]

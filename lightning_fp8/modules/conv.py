@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_fp8.modules.cast import scaled_cast
+from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.conv_function import fine_grained_conv, per_tensor_conv
 from lightning_fp8.modules.conv_layout import ConvGeometry, is_channels_last
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
@@ -99,12 +99,14 @@ class FP8ConvNd(FP8Layer):
             if observer is not None:
                 observer("input", x)
                 observer("weight", weight)
-            x_fp8, x_scale_inv = _cast_input(x4, meta, recipe, training)
-            w_fp8, _, w_scale, w_scale_inv = scaled_cast(weight.reshape(weight.shape[0], -1), meta, recipe, "weight",
-                                                         training)
-            cfg = GemmConfig.build(recipe, out_dtype, training, grad_history_sized=meta.history_sized[ROLE_INDEX["grad_output"]])
-            y = per_tensor_conv(x4, w4, bias, x_fp8, x_scale_inv, w_fp8.view(w4.shape), w_scale, w_scale_inv,
-                                meta.amax_history, observer, cfg, geometry)
+            caster = caster_for(recipe)
+            x_fp8, x_scale_inv = _cast_input(caster, x4, meta, training)
+            w_cast = caster.cast(weight.reshape(weight.shape[0], -1), meta.amax_history, "weight", training,
+                                 history_sized=meta.history_sized[ROLE_INDEX["weight"]])
+            cfg = GemmConfig(recipe, out_dtype, training,
+                             grad_history_sized=training and meta.history_sized[ROLE_INDEX["grad_output"]])
+            y = per_tensor_conv(x4, w4, bias, x_fp8, x_scale_inv, w_cast.matrix.data.view(w4.shape), w_cast.scale,
+                                w_cast.matrix.scale_inv, meta.amax_history, observer, cfg, geometry)
         # the output in the layout nn.Conv2d gives it: channels-last where the input or the weight is
         y = y.squeeze(2).contiguous() if one_d else y.contiguous(
             memory_format=torch.channels_last if channels_last else torch.contiguous_format)
@@ -136,16 +138,18 @@ class FP8ConvNd(FP8Layer):
         return conv
 
 
-def _cast_input(x4: Tensor, meta, recipe: FP8Recipe, training: bool):
+def _cast_input(caster, x4: Tensor, meta, training: bool):
     """Cast x (N, C, H, W) as the input role through a 2-D view of its memory (the cast op takes 2-D tensors; a
     per-tensor scale does not care about the order), no copy for contiguous or channels-last data. Returns the FP8
     tensor with x's shape and layout, and its scale_inv."""
     n, c, h, w = x4.shape
     if is_channels_last(x4):
-        x_fp8, _, _, x_scale_inv = scaled_cast(x4.permute(0, 2, 3, 1).reshape(-1, c), meta, recipe, "input", training)
-        return x_fp8.view(n, h, w, c).permute(0, 3, 1, 2), x_scale_inv
-    x_fp8, _, _, x_scale_inv = scaled_cast(x4.contiguous().view(-1, w), meta, recipe, "input", training)
-    return x_fp8.view(n, c, h, w), x_scale_inv
+        x_cast = caster.cast(x4.permute(0, 2, 3, 1).reshape(-1, c), meta.amax_history, "input", training,
+                             history_sized=meta.history_sized[ROLE_INDEX["input"]])
+        return x_cast.matrix.data.view(n, h, w, c).permute(0, 3, 1, 2), x_cast.matrix.scale_inv
+    x_cast = caster.cast(x4.contiguous().view(-1, w), meta.amax_history, "input", training,
+                         history_sized=meta.history_sized[ROLE_INDEX["input"]])
+    return x_cast.matrix.data.view(n, c, h, w), x_cast.matrix.scale_inv
 
 
 class FP8Conv1d(FP8ConvNd, nn.Conv1d):

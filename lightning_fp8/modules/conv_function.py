@@ -34,8 +34,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from lightning_fp8 import kernels
-from lightning_fp8.modules.cast import cast_to_fp8, tiled_cast
+from lightning_fp8.modules.cast import cast_to_fp8, caster_for
 from lightning_fp8.modules.conv_layout import (
     ConvGeometry,
     col2im_add_,
@@ -47,10 +46,9 @@ from lightning_fp8.modules.conv_layout import (
     weight_from_matrix,
     weight_matrix,
 )
-from lightning_fp8.modules.function import GemmConfig, cast_gradient
+from lightning_fp8.modules.function import GemmConfig, linear_gemms
 from lightning_fp8.modules.gemm import fp8_gemm, scaled_mm_supported
-from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms, token_padding
-from lightning_fp8.numerics.formats import get_format
+from lightning_fp8.modules.operand import FP8Matrix
 from lightning_fp8.recipe import FP8Recipe
 
 Tensor = torch.Tensor
@@ -68,6 +66,12 @@ def _b_column_major(device: torch.device, backend: str) -> bool:
     by the FP8 tensor: `kernels.materializes_transpose` answers whether the cast kernel writes a transpose, and is
     False for every FP8 tensor (the kernels read high-precision input only)."""
     return backend != "emulated" and scaled_mm_supported(device)
+
+
+def _gemm(a: FP8Matrix, b: FP8Matrix, out_dtype: torch.dtype, cfg: GemmConfig, bias: Optional[Tensor] = None,
+          use_fast_accum: bool = False) -> Tensor:
+    recipe = cfg.recipe
+    return fp8_gemm(a, b, out_dtype, bias, use_fast_accum, recipe.backend, recipe.allow_emulation)
 
 
 def _group_slice(size: int, groups: int, group: int) -> slice:
@@ -91,9 +95,9 @@ class FP8ConvGemms(torch.autograd.Function):
         outs = []
         for g in range(groups):
             b = bias[_group_slice(bias.shape[0], groups, g)] if bias is not None else None
-            outs.append(fp8_gemm(im2col(xp_fp8, geometry, g, out_hw), x_scale_inv,
-                                 weight_matrix(w_fp8, g, groups).t(), w_scale_inv, cfg.out_dtype, b, cfg.fast_accum,
-                                 cfg.backend))
+            outs.append(_gemm(FP8Matrix(im2col(xp_fp8, geometry, g, out_hw), x_scale_inv),
+                              FP8Matrix(weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, cfg, b,
+                              cfg.recipe.fast_accum_forward))
         out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
         ctx.cfg, ctx.geometry, ctx.observer = cfg, geometry, observer
         ctx.x_shape, ctx.x_dtype, ctx.x_format = tuple(x.shape), x.dtype, _memory_format(x)
@@ -121,23 +125,25 @@ class FP8ConvGemms(torch.autograd.Function):
         if ctx.observer is not None:
             ctx.observer("grad_output", grad_out)
         g2d = grad_out.permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1])  # a view for channels-last gradients
-        g_fp8, g_t, g_scale_inv = cast_gradient(g2d, ctx.history, cfg,
-                                                write_t=needs_wgrad and kernels.materializes_transpose(g2d))
+        caster = caster_for(cfg.recipe)
+        dy = caster.cast(g2d, ctx.history, "grad_output", cfg.record, layouts=(True, needs_wgrad),
+                         history_sized=cfg.grad_history_sized)
+        g_fp8, g_scale_inv = dy.matrix.data, dy.matrix.scale_inv
         o = g2d.shape[1]
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             # the weight the forward saw, re-cast with its scale (as FP8Linear's backward does)
-            w_fp8 = cast_to_fp8(weight.reshape(weight.shape[0], -1), w_scale, get_format(cfg.weight_fmt))
+            w_fp8 = cast_to_fp8(weight.reshape(weight.shape[0], -1), w_scale, cfg.recipe.format_for("weight"))
             w_fp8 = w_fp8.view(weight.shape)
             grad_x = _input_gradient(g_fp8, g_scale_inv, w_fp8, w_scale_inv, ctx.x_shape, out_hw, cfg, geometry)
             grad_x = grad_x.to(dtype=ctx.x_dtype, memory_format=ctx.x_format)
         if needs_wgrad:
-            g_a = g_t if g_t is not None else g_fp8.t()  # (O, M)
-            column_major = _b_column_major(xp_fp8.device, cfg.backend)
+            g_a = dy.matrix_t().data  # (O, M)
+            column_major = _b_column_major(xp_fp8.device, cfg.recipe.backend)
             parts = [
-                fp8_gemm(g_a[_group_slice(o, groups, g)], g_scale_inv,
-                         im2col(xp_fp8, geometry, g, out_hw, transposed=column_major), x_scale_inv, cfg.out_dtype, None,
-                         False, cfg.backend)
+                _gemm(FP8Matrix(g_a[_group_slice(o, groups, g)], g_scale_inv),
+                      FP8Matrix(im2col(xp_fp8, geometry, g, out_hw, transposed=column_major), x_scale_inv),
+                      cfg.out_dtype, cfg)
                 for g in range(groups)
             ]
             dw = parts[0] if groups == 1 else torch.cat(parts, dim=0)
@@ -161,18 +167,18 @@ def _input_gradient(g_fp8: Tensor, g_scale_inv: Tensor, w_fp8: Tensor, w_scale_i
     dgeo = input_gradient_geometry(geometry)
     if dgeo is not None:
         gp = padded_nhwc(g_fp8.view(n, out_hw[0], out_hw[1], o).permute(0, 3, 1, 2), dgeo)
-        parts = [fp8_gemm(im2col(gp, dgeo, g, (h, w)), g_scale_inv, flipped_weight_matrix(w_fp8, g, groups).t(),
-                          w_scale_inv, cfg.out_dtype, None, False, cfg.backend)
+        parts = [_gemm(FP8Matrix(im2col(gp, dgeo, g, (h, w)), g_scale_inv),
+                       FP8Matrix(flipped_weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, cfg)
                  for g in range(groups)]
         dx = parts[0] if groups == 1 else torch.cat(parts, dim=1)
         return dx.view(n, h, w, c).permute(0, 3, 1, 2)
-    column_major = _b_column_major(g_fp8.device, cfg.backend)
+    column_major = _b_column_major(g_fp8.device, cfg.recipe.backend)
     top, bottom, left, right = geometry.padding
     dxp = torch.zeros((n, h + top + bottom, w + left + right, c), dtype=torch.float32, device=g_fp8.device)
     for g in range(groups):
-        cols = fp8_gemm(g_fp8[:, _group_slice(o, groups, g)], g_scale_inv,
-                        weight_matrix(w_fp8, g, groups, transposed=column_major), w_scale_inv, torch.float32, None, False,
-                        cfg.backend)
+        cols = _gemm(FP8Matrix(g_fp8[:, _group_slice(o, groups, g)], g_scale_inv),
+                     FP8Matrix(weight_matrix(w_fp8, g, groups, transposed=column_major), w_scale_inv), torch.float32,
+                     cfg)
         col2im_add_(dxp, cols, geometry, g, out_hw)
     # rounded once, to the compute dtype every other GEMM of the layer produces
     return crop_to_input(dxp, geometry, h, w).to(cfg.out_dtype)
@@ -224,8 +230,9 @@ def fine_grained_conv(layer, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     groups = geometry.groups
     cols: Tuple[Tensor, ...] = Unfold.apply(x, geometry)
     needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
-    pad_to = token_padding(recipe, cols[0])  # the weight-gradient GEMM contracts the N*Ho*Wo positions
-    cfg = TiledGemmConfig.build(recipe, torch.float32, training, pad_to)
+    caster = caster_for(recipe)
+    pad_to = caster.token_padding(cols[0], needs_wgrad)  # the weight-gradient GEMM contracts the N*Ho*Wo positions
+    cfg = GemmConfig(recipe, torch.float32, training, pad_to)
     outs: List[Tensor] = []
     for g in range(groups):
         w_g = weight_matrix(weight, g, groups)  # differentiable: its gradient reaches the weight through the permute
@@ -233,10 +240,9 @@ def fine_grained_conv(layer, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
         if observer is not None:
             observer("input", cols[g])
             observer("weight", w_g)
-        x_cast, xt_cast = tiled_cast(cols[g], meta, recipe, "input", training, layouts=(True, needs_wgrad),
-                                     pad_to=pad_to)
-        w_cast, _ = tiled_cast(w_g, meta, recipe, "weight", training, layouts=(True, False))
-        outs.append(apply_fp8_tiled_gemms(cols[g], w_g, b, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg))
+        x_cast = caster.cast(cols[g], meta.amax_history, "input", training, layouts=(True, needs_wgrad), pad_to=pad_to)
+        w_cast = caster.cast(w_g, meta.amax_history, "weight", training)
+        outs.append(linear_gemms(cols[g], w_g, b, x_cast, w_cast, meta.amax_history, observer, cfg))
     out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
     return out.to(out_dtype).view(n, out_hw[0], out_hw[1], out.shape[1]).permute(0, 3, 1, 2)
 

@@ -16,10 +16,10 @@ from torch import nn
 
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
-from lightning_fp8.modules.cast import scaled_cast, tiled_cast
+from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
-from lightning_fp8.modules.function import GemmConfig, apply_fp8_gemms
-from lightning_fp8.modules.function import token_padding as per_tensor_token_padding  # tiled_function has its own
+from lightning_fp8.modules.function import GemmConfig, linear_gemms
+from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.modules.precast import (
     PER_TENSOR_SCALINGS,
     PrecastFP8Input,
@@ -28,7 +28,6 @@ from lightning_fp8.modules.precast import (
     resolve_precast,
 )
 from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
-from lightning_fp8.modules.tiled_function import TiledGemmConfig, apply_fp8_tiled_gemms, token_padding
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -187,40 +186,29 @@ class FP8Layer(nn.Module):
             observer("weight", observed_weight(weight))
         meta = self.fp8_meta
         x2d = x.reshape(-1, weight.shape[1])
-        needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
-        if recipe.fine_grained:
-            # one op per tensor: x in both layouts (x^T only when a quantized weight gradient will be computed), W in
-            # its own
-            quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
-            pad_to = token_padding(recipe, x2d)
-            x_cast, xt_cast = tiled_cast(x2d, meta, recipe, "input", training, layouts=(True, quantized_wgrad),
-                                         pad_to=pad_to)
-            w_cast, _ = tiled_cast(weight, meta, recipe, "weight", training, layouts=(True, False))
-            cfg = TiledGemmConfig.build(recipe, _output_dtype(x), training, pad_to)
-            out = apply_fp8_tiled_gemms(x2d, weight, bias, x_cast, xt_cast, w_cast, meta.amax_history, observer, cfg)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
-        materialize = needs_wgrad and not recipe.high_precision_wgrad and kernels.materializes_transpose(x2d)
-        pad_to = 1  # x^T's token columns (and dY^T's in backward): padded where the cast writes x^T
-        if isinstance(x2d, PrecastFP8Input):
+        caster = caster_for(recipe)
+        quantized_wgrad = torch.is_grad_enabled() and weight.requires_grad and not recipe.high_precision_wgrad
+        pad_to = caster.token_padding(x2d, quantized_wgrad)
+        if isinstance(x2d, PrecastFP8Input):  # sequence parallelism gathered it in FP8
             x_fp8, _, x_scale_inv = x2d.fp8_operands(meta.amax_history, ROLE_INDEX["input"], training)
-            x_t = x_fp8.t().contiguous() if materialize else None  # the layout wgrad reads (1 byte per element)
+            x_t = FP8Matrix(x_fp8.t().contiguous(), x_scale_inv) if quantized_wgrad and kernels.materializes_transpose(
+                x2d) else None  # the layout the weight-gradient GEMM reads
+            x_cast = FP8Operand(FP8Matrix(x_fp8, x_scale_inv), x_t)
+            pad_to = 1
         else:
-            pad_to = per_tensor_token_padding(x2d, materialize)
-            x_fp8, x_t, _, x_scale_inv = scaled_cast(x2d, meta, recipe, "input", training, write_t=materialize,
-                                                     pad_to=pad_to)
-        w_t = None
-        if isinstance(weight, PrecastFP8Weight):
+            x_cast = caster.cast(x2d, meta.amax_history, "input", training, layouts=(True, quantized_wgrad),
+                                 pad_to=pad_to, history_sized=meta.history_sized[ROLE_INDEX["input"]])
+        if isinstance(weight, PrecastFP8Weight):  # FSDP2 gathered it in FP8
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
+            w_cast = FP8Operand(FP8Matrix(w_fp8, w_scale_inv), None, w_scale)
         else:
-            # W^T for the input-gradient GEMM from the same pass where the device writes it (kept for backward)
-            keep_w_t = (self.keep_weight_transpose and x2d.requires_grad and torch.is_grad_enabled()
-                        and kernels.materializes_transpose(weight))
-            w_fp8, w_t, w_scale, w_scale_inv = scaled_cast(weight, meta, recipe, "weight", training, write_t=keep_w_t)
-        cfg = GemmConfig.build(recipe, _output_dtype(x), training, pad_to, meta.history_sized[ROLE_INDEX["grad_output"]])
-        out = apply_fp8_gemms(
-            x2d, weight, bias, x_fp8, x_t, x_scale_inv, w_fp8, w_scale, w_scale_inv, meta.amax_history,
-            observer, cfg, w_fp8_t=w_t,
-        )
+            # W^T for the input-gradient GEMM from the same pass, kept for backward, where a per-tensor cast writes it
+            keep_w_t = (self.keep_weight_transpose and not recipe.fine_grained and x2d.requires_grad
+                        and torch.is_grad_enabled())
+            w_cast = caster.cast(weight, meta.amax_history, "weight", training, layouts=(True, keep_w_t),
+                                 history_sized=meta.history_sized[ROLE_INDEX["weight"]])
+        cfg = GemmConfig(recipe, _output_dtype(x), training, pad_to, training and meta.history_sized[ROLE_INDEX["grad_output"]])
+        out = linear_gemms(x2d, weight, bias, x_cast, w_cast, meta.amax_history, observer, cfg)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @torch.no_grad()

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fp8.kernels.device import DeviceProfile
+from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
 from lightning_fp8.numerics.tiles import tile_extent
 
 Tensor = torch.Tensor
@@ -72,7 +73,8 @@ BLOCKWISE = (BLOCK_1x128_128x128, BLOCK_1x128_1x128)
 MXFP8 = "mxfp8 1x32"
 NVFP4 = "nvfp4 1x16"
 MICROSCALED = (MXFP8, NVFP4)
-E8M0, FP4 = torch.float8_e8m0fnu, torch.float4_e2m1fn_x2
+E8M0 = torch.float8_e8m0fnu
+FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
 
 V1 = "torch._scaled_mm"
 V2 = "torch.nn.functional.scaled_mm"
@@ -171,59 +173,34 @@ def _target_of(profile: DeviceProfile) -> ScaledMMTarget:
 
 
 # -- the request --------------------------------------------------------------------------------------------------
-class GemmOperands(NamedTuple):
-    """One FP8 GEMM request: out = dequant(a) @ dequant(b) + bias, rounded once to out_dtype.
-
-    a (M, K) and b (K, N) are FP8 in any layout; a_scale_inv / b_scale_inv their dequant scales: float32 0-d with
-    tile None (one scale for the tensor), or per tile in grid layout (`numerics.tiles.grid_shape`) with a_tile =
-    (rows, K block), b_tile = (K block, cols)."""
-
-    a: Tensor
-    a_scale_inv: Tensor
-    a_tile: Optional[Tuple[int, int]]
-    b: Tensor
-    b_scale_inv: Tensor
-    b_tile: Optional[Tuple[int, int]]
-    out_dtype: torch.dtype
-    bias: Optional[Tensor]
-    use_fast_accum: bool
-    #: NVFP4's second scale level: each operand's float32 tensor decode scale (None for the other kinds)
-    a_tensor_scale: Optional[Tensor] = None
-    b_tensor_scale: Optional[Tensor] = None
-
-    @property
-    def shape(self) -> Tuple[int, int, int]:
-        """(M, K, N), K in elements (an FP4 operand holds two per byte along K)."""
-        packing = 2 if self.a.dtype == FP4 else 1
-        return self.a.shape[0], self.a.shape[1] * packing, self.b.shape[1]
-
-    def kind(self) -> Optional[str]:
-        """The scaling kind of this request: tensorwise, rowwise, one of the blockwise kinds, mxfp8, nvfp4, or None (a
-        tiling no scaled GEMM takes). The microscaled kinds are told by their scale dtypes (E8M0 / FP4 data)."""
-        if self.a_tile is None and self.b_tile is None:
-            return TENSORWISE
-        if self.a_tile is None or self.b_tile is None:
-            return None
-        m, k, n = self.shape
-        if self.a.dtype == FP4 or self.b.dtype == FP4 or E8M0 in (self.a_scale_inv.dtype, self.b_scale_inv.dtype):
-            return self._microscaled_kind()
-        ar, ak = tile_extent(self.a_tile, (m, k))
-        bk, bc = tile_extent(self.b_tile, (k, n))
-        if ar == 1 and ak == k and bk == k and bc == 1:
-            return ROWWISE
-        if ar == 1 and ak == 128 and bk == 128:
-            return {128: BLOCK_1x128_128x128, 1: BLOCK_1x128_1x128}.get(bc)
+def scaling_kind(operands: GemmOperands) -> Optional[str]:
+    """The scaling kind of a GEMM request: tensorwise, rowwise, one of the blockwise kinds, mxfp8, nvfp4, or None (a
+    tiling no scaled GEMM takes). The microscaled kinds are told by their dtypes (E8M0 scales, FP4 data)."""
+    a, b = operands.a, operands.b
+    if a.tile is None and b.tile is None:
+        return TENSORWISE
+    if a.tile is None or b.tile is None:
         return None
+    m, k, n = operands.shape
+    if a.data.dtype == FP4 or b.data.dtype == FP4 or E8M0 in (a.scale_inv.dtype, b.scale_inv.dtype):
+        return _microscaled_kind(a, b)
+    ar, ak = tile_extent(a.tile, (m, k))
+    bk, bc = tile_extent(b.tile, (k, n))
+    if ar == 1 and ak == k and bk == k and bc == 1:
+        return ROWWISE
+    if ar == 1 and ak == 128 and bk == 128:
+        return {128: BLOCK_1x128_128x128, 1: BLOCK_1x128_1x128}.get(bc)
+    return None
 
-    def _microscaled_kind(self) -> Optional[str]:
-        a_k, b_k = self.a_tile[1], self.b_tile[0]
-        if self.a_scale_inv.dtype == E8M0 and self.b_scale_inv.dtype == E8M0 and self.a.dtype != FP4:
-            ok = tuple(self.a_tile) == (1, 32) and tuple(self.b_tile) == (32, 1)
-            return MXFP8 if ok else None
-        if self.a.dtype == FP4 and self.b.dtype == FP4 and self.a_scale_inv.dtype == E4M3 == self.b_scale_inv.dtype:
-            rows_ok = self.a_tile[0] in (1, 16) and self.b_tile[1] in (1, 16)
-            return NVFP4 if (a_k == b_k == 16 and rows_ok) else None
-        return None
+
+def _microscaled_kind(a: FP8Matrix, b: FP8Matrix) -> Optional[str]:
+    a_k, b_k = a.tile[1], b.tile[0]
+    if a.scale_inv.dtype == E8M0 and b.scale_inv.dtype == E8M0 and a.data.dtype != FP4:
+        return MXFP8 if (tuple(a.tile) == (1, 32) and tuple(b.tile) == (32, 1)) else None
+    if a.data.dtype == FP4 and b.data.dtype == FP4 and a.scale_inv.dtype == E4M3 == b.scale_inv.dtype:
+        rows_ok = a.tile[0] in (1, 16) and b.tile[1] in (1, 16)
+        return NVFP4 if (a_k == b_k == 16 and rows_ok) else None
+    return None
 
 
 class Refusal(NamedTuple):
@@ -296,6 +273,22 @@ class ScaledMMCall:
             out = out.to(out_dtype).contiguous()
         return out
 
+    def signature(self) -> Tuple:
+        """What torch's acceptance of the call depends on: the target, the API, the kind, and the shape, strides and
+        dtype of every tensor argument, the output dtype and fast accumulation."""
+        return (self.target, self.api, self.kind) + tuple(_spec(t) for t in self._tensors().values()) + (
+            self.out_dtype, self.use_fast_accum)
+
+    def describe(self) -> str:
+        """The call in words: kind, API and every tensor argument's shape, strides and dtype."""
+        args = ", ".join(f"{name}={_spec_text(t)}" for name, t in self._tensors().items() if t is not None)
+        return (f"{self.kind} scaled GEMM {self.api}({args}, out_dtype={self.out_dtype}, "
+                f"use_fast_accum={self.use_fast_accum})")
+
+    def _tensors(self) -> Dict[str, Optional[Tensor]]:
+        return {"mat_a": self.mat_a, "mat_b": self.mat_b, "scale_a": self.scale_a, "scale_b": self.scale_b,
+                "bias": self.bias, "tensor_scale_a": self.tensor_scale_a, "tensor_scale_b": self.tensor_scale_b}
+
     def on_meta(self) -> "ScaledMMCall":
         """The same call on meta tensors of the same shapes, strides and dtypes: launching it runs torch's own
         device-independent checks of the call (as for CUDA), nothing else."""
@@ -315,6 +308,14 @@ class ScaledMMCall:
         return self.kind in (TENSORWISE, ROWWISE) and (self.api == V1 or self.target.torch_version >= (2, 13))
 
 
+def _spec(t: Optional[Tensor]):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _spec_text(t: Tensor) -> str:
+    return f"{tuple(t.shape)} strides {tuple(t.stride())} {str(t.dtype).replace('torch.', '')}"
+
+
 _V2_RECIPES = {
     BLOCK_1x128_128x128: ("BlockWise1x128", "BlockWise128x128"),
     BLOCK_1x128_1x128: ("BlockWise1x128", "BlockWise1x128"),
@@ -324,7 +325,7 @@ _V2_RECIPES = {
 # -- planning -----------------------------------------------------------------------------------------------------
 def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     """The call that computes `operands` on `target`, or why there is none (module docstring)."""
-    a, b = operands.a, operands.b
+    a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
     if a.numel() == 0 or b.numel() == 0:
         return Refusal("an empty operand", quiet=True)
@@ -333,9 +334,9 @@ def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scal
         return Refusal(f"{target.name} has no FP8 tensor cores (compute capability 8.9 or newer)")
     if a.dtype == E5M2 and b.dtype == E5M2:
         return Refusal("torch's scaled GEMM does not multiply two e5m2 operands (format='e5m2' recipes)")
-    kind = operands.kind()
+    kind = scaling_kind(operands)
     if kind is None:
-        return Refusal(f"no scaled GEMM takes the tiling {operands.a_tile} x {operands.b_tile}")
+        return Refusal(f"no scaled GEMM takes the tiling {operands.a.tile} x {operands.b.tile}")
     if kind not in rules.kinds:
         why = _KIND_REFUSALS.get(kind, "is not taken by torch's scaled GEMM there")
         return Refusal(f"{kind} scaling {why}; this GPU is {target.name}")
@@ -347,7 +348,7 @@ def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scal
 
 
 def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
-    a, b, out_dtype, bias = operands.a, operands.b, operands.out_dtype, operands.bias
+    a, b, out_dtype, bias = operands.a.data, operands.b.data, operands.out_dtype, operands.bias
     m, k, n = operands.shape
     cutlass = kind == ROWWISE and target.rowwise_backend == "cutlass"
     mm_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
@@ -361,11 +362,13 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
     mat_a = _packed(_padded(a, m, k16))
     mat_b = _packed(_padded(b.t(), n16, k16)).t()
     if kind == TENSORWISE:
-        scale_a = operands.a_scale_inv.to(torch.float32).reshape(())
-        scale_b = operands.b_scale_inv.to(torch.float32).reshape(())
+        scale_a = operands.a.scale_inv.to(torch.float32).reshape(())
+        scale_b = operands.b.scale_inv.to(torch.float32).reshape(())
     else:
-        scale_a = operands.a_scale_inv.to(torch.float32).reshape(m, 1).contiguous()
-        scale_b = operands.b_scale_inv.to(torch.float32).reshape(1, n)
+        # (M, 1) with strides (1, 1): torch checks scale_a.stride(1) == 1, which `.contiguous()` does not make of an
+        # (M, 1) view with another stride along its size-1 dimension (what compiled graphs hand over)
+        scale_a = operands.a.scale_inv.to(torch.float32).reshape(-1).contiguous().view(m, 1)
+        scale_b = operands.b.scale_inv.to(torch.float32).reshape(1, n)
         if n16 != n:
             scale_b = F.pad(scale_b, (0, n16 - n), value=1.0)
         scale_b = scale_b.contiguous()
@@ -383,7 +386,7 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
 
 
 def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
-    a, b = operands.a, operands.b
+    a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
     if not target.has_v2:
         return Refusal(f"torch {target.torch_version[0]}.{target.torch_version[1]} has no "
@@ -400,17 +403,17 @@ def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -
     mat_a = _packed(a)
     mat_b = _packed(b.t()).t()
     kb = k // 128
-    scale_a = operands.a_scale_inv.to(torch.float32).t().contiguous().t()  # (M, K/128), strides (1, M)
+    scale_a = operands.a.scale_inv.to(torch.float32).t().contiguous().t()  # (M, K/128), strides (1, M)
     if kind == BLOCK_1x128_128x128:
         # (K/128, N/128) scales in a (L4, N/128) buffer with strides (1, L4): the K-block dimension padded to 4
-        scale_b = _l4_padded_view(operands.b_scale_inv, kb, n // 128)
+        scale_b = _l4_padded_view(operands.b.scale_inv, kb, n // 128)
         if scale_b is None:
             l4 = _round_up(kb, 4)
             buffer = torch.ones((n // 128, l4), dtype=torch.float32, device=a.device)
-            buffer[:, :kb].copy_(operands.b_scale_inv.to(torch.float32).t())
+            buffer[:, :kb].copy_(operands.b.scale_inv.to(torch.float32).t())
             scale_b = buffer.t()
     else:
-        scale_b = operands.b_scale_inv.to(torch.float32).contiguous().t()  # (N, K/128), strides (1, N)
+        scale_b = operands.b.scale_inv.to(torch.float32).contiguous().t()  # (N, K/128), strides (1, N)
     bias = operands.bias
     # a bias goes in after the GEMM, in float32 before the one rounding (cuBLASLt refuses a bias with a float32
     # output, and whether it takes one with block scales at all is not documented)
@@ -420,7 +423,7 @@ def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -
 
 
 def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
-    a, b = operands.a, operands.b
+    a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
     if not target.has_v2:
         return Refusal(f"torch {target.torch_version[0]}.{target.torch_version[1]} has no "
@@ -438,15 +441,15 @@ def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget)
     else:  # packed FP4: two elements per byte along K
         mat_a = _packed(_padded_bytes(a, m, k32 // 2))
         mat_b = _packed(_padded_bytes(b.t(), n16, k32 // 2)).t()
-    scale_a = swizzle_32_4_4(_row_scales(operands.a_scale_inv, operands.a_tile, m, k, block))
-    scale_b = swizzle_32_4_4(_row_scales(operands.b_scale_inv.t(), _transposed(operands.b_tile), n, k, block), rows=n16)
+    scale_a = swizzle_32_4_4(_row_scales(operands.a.scale_inv, operands.a.tile, m, k, block))
+    scale_b = swizzle_32_4_4(_row_scales(operands.b.scale_inv.t(), _transposed(operands.b.tile), n, k, block), rows=n16)
     bias = operands.bias
     mm_dtype = torch.float32 if bias is not None or operands.out_dtype not in _OUT_DTYPES else operands.out_dtype
     call = ScaledMMCall(V2, kind, mat_a, mat_b, scale_a, scale_b, None, mm_dtype, False,
                         _Finish(n, bias, operands.out_dtype), target)
     if kind == NVFP4:
-        call.tensor_scale_a = operands.a_tensor_scale.to(torch.float32).reshape(())
-        call.tensor_scale_b = operands.b_tensor_scale.to(torch.float32).reshape(())
+        call.tensor_scale_a = operands.a.tensor_scale.to(torch.float32).reshape(())
+        call.tensor_scale_b = operands.b.tensor_scale.to(torch.float32).reshape(())
     return call
 
 
@@ -629,7 +632,7 @@ def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int
 
 
 __all__ = [
-    "ARCH_RULES", "ArchRules", "GemmOperands", "Refusal", "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
+    "ARCH_RULES", "ArchRules", "GemmOperands", "scaling_kind", "Refusal", "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
     "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
     "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4",
 ]
