@@ -8,8 +8,12 @@ Public entry points (docs/architecture.md maps where each lives):
     from lightning_fp8.accelerate import FP8Accelerator    # Hugging Face Accelerate
     from lightning_fp8.callbacks import FP8ScaleMonitor, FP8LayerFallback, FP8Calibration
     from lightning_fp8.optim import FP8AdamW
+
+Importing the package imports torch and no framework: the Lightning plugin and the callbacks (which import Lightning)
+are loaded on first access (`lightning_fp8.FP8Precision`, `from lightning_fp8 import FP8ScaleMonitor`).
 """
-from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
+import importlib as _importlib
+
 from lightning_fp8.conversion import (
     convert_to_fp8,
     fp8_layers,
@@ -19,7 +23,6 @@ from lightning_fp8.conversion import (
     revert_fp8,
 )
 from lightning_fp8.engine import FP8DivergenceError
-from lightning_fp8.integrations.lightning import FP8Precision
 from lightning_fp8.modules import FP8Conv1d, FP8Conv2d, FP8EmulationWarning, FP8Layer, FP8Linear, fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
 
@@ -45,3 +48,23 @@ __all__ = [
     "FP8EmulationWarning",
     "FP8DivergenceError",
 ]
+
+#: public names that import Lightning, and the module each lives in (loaded on first access)
+_LAZY = {
+    "FP8Precision": "lightning_fp8.integrations.lightning",
+    "FP8ScaleMonitor": "lightning_fp8.callbacks",
+    "FP8LayerFallback": "lightning_fp8.callbacks",
+    "FP8Calibration": "lightning_fp8.callbacks",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once: later lookups find it without this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,5 +1,6 @@
 """The package layout and the public API surface (docs/architecture.md): public import paths, real constructor
-signatures (what help(), IDEs and LightningCLI / jsonargparse read), and nothing loose at the top level."""
+signatures (what help(), IDEs and LightningCLI / jsonargparse read), nothing loose at the top level, and the options
+defined once (the parameters of FP8PrecisionCore.__init__; every other list of them is generated or checked here)."""
 import inspect
 import pathlib
 
@@ -9,7 +10,7 @@ import lightning_fp8
 
 PACKAGE = pathlib.Path(lightning_fp8.__file__).parent
 #: the top level holds the public entry points and the recipe only
-TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py"}
+TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py", "state_format.py"}
 
 
 def test_public_import_paths():
@@ -25,21 +26,94 @@ def test_nothing_loose_at_the_top_level():
     assert modules == TOP_LEVEL_MODULES
 
 
-@pytest.mark.parametrize("path", ["lightning_fp8", "lightning_fp8.fabric"])
-def test_plugin_constructors_list_their_arguments(path):
-    import importlib
+def _options():
+    """The one definition of the options: the parameters of FP8PrecisionCore.__init__ (without self)."""
+    from lightning_fp8.integrations._core import FP8PrecisionCore
 
-    from lightning_fp8.integrations._options import option_names
+    return dict(list(inspect.signature(FP8PrecisionCore.__init__).parameters.items())[1:])
+
+
+@pytest.mark.parametrize("module", ["integrations/lightning.py", "integrations/fabric.py"])
+def test_the_plugins_define_no_constructor(module):
+    """The plugins' arguments are FP8PrecisionCore's, not a copy: neither file defines an __init__."""
+    import ast
+
+    tree = ast.parse((PACKAGE / module).read_text())
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "__init__"]
+
+
+@pytest.mark.parametrize("path", ["lightning_fp8", "lightning_fp8.fabric"])
+def test_plugin_signatures_list_every_option(path):
+    """What help(), IDEs and LightningCLI / jsonargparse read: every option, recipe first (positional or keyword),
+    the rest keyword-only, with the core's defaults and resolvable types."""
+    import importlib
+    import typing
 
     plugin = importlib.import_module(path).FP8Precision
+    assert "__init__" not in vars(plugin)
     params = inspect.signature(plugin).parameters
-    kinds = {p.kind for p in params.values()}
-    assert inspect.Parameter.VAR_POSITIONAL not in kinds and inspect.Parameter.VAR_KEYWORD not in kinds
-    assert tuple(params) == option_names()
-    for knob in ("growth_interval", "spike_window", "spike_warmup", "check_weights_every", "init_loss_scale"):
-        assert params[knob].default is not inspect.Parameter.empty, knob
-    hints = __import__("typing").get_type_hints(plugin.__init__)  # what jsonargparse resolves
-    assert hints["growth_interval"] is int and hints["spike_factor"] == __import__("typing").Optional[float]
+    options = _options()
+    assert list(params) == list(options)
+    assert [(p.kind, p.default) for p in params.values()] == [(p.kind, p.default) for p in options.values()]
+    assert params["recipe"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert {p.kind for name, p in params.items() if name != "recipe"} == {inspect.Parameter.KEYWORD_ONLY}
+    hints = typing.get_type_hints(plugin.__init__)  # what jsonargparse resolves
+    assert hints["growth_interval"] is int and hints["spike_factor"] == typing.Optional[float]
+
+
+def test_fp8_kwargs_fields_are_the_options():
+    import dataclasses
+    import typing
+
+    from lightning_fp8.accelerate import FP8Kwargs
+    from lightning_fp8.integrations._core import FP8Options, FP8PrecisionCore
+
+    hints = typing.get_type_hints(FP8PrecisionCore.__init__)
+    for record in (FP8Kwargs, FP8Options):
+        fields = dataclasses.fields(record)
+        assert [(f.name, f.default) for f in fields] == [(name, p.default) for name, p in _options().items()], record
+        assert all(f.kw_only for f in fields) and {f.name: f.type for f in fields} == {
+            name: hints[name] for name in _options()}
+
+
+def test_stability_config_fields_are_options_with_the_same_defaults():
+    import dataclasses
+
+    from lightning_fp8.engine import StabilityConfig
+
+    options = _options()
+    for field in dataclasses.fields(StabilityConfig):
+        assert field.name in options and field.default == options[field.name].default, field.name
+
+
+def test_lightning_plugin_is_the_fabric_plugin_behind_lightnings_precision():
+    """class FP8Precision(Precision, FabricFP8Precision), as Lightning's TransformerEnginePrecision: the Lightning hooks
+    the plugin relies on are its own, and forward_context is the core's FP8 context (Fabric's starts an iteration)."""
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_fp8 import FP8Precision
+    from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+    from lightning_fp8.integrations._core import FP8PrecisionCore
+
+    assert FP8Precision.__mro__[:5] == (FP8Precision, Precision, FabricFP8Precision, FP8PrecisionCore, FabricPrecision)
+    own = vars(FP8Precision)
+    for hook in ("connect", "convert_input", "module_init_context", "pre_backward", "optimizer_step", "clip_gradients",
+                 "train_step_context", "val_step_context", "test_step_context", "predict_step_context"):
+        assert hook in own, hook
+    assert FP8Precision.forward_context is FP8PrecisionCore.forward_context
+    assert FP8Precision.convert_output is FabricPrecision.convert_output
+    assert FP8Precision.convert_module is FP8PrecisionCore.convert_module
+    assert FP8Precision.state_dict is FP8PrecisionCore.state_dict
+
+
+def test_only_the_fabric_plugin_refuses_fp8_optimizer_state():
+    from lightning_fp8 import FP8Precision
+    from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+
+    with pytest.raises(ValueError, match=r"lightning_fp8.fabric.FP8Precision\(optimizer_state='fp8'\) is not supported"):
+        FabricFP8Precision(optimizer_state="fp8")
+    assert FP8Precision(optimizer_state="fp8").optimizer_state == "fp8"
 
 
 def test_every_stability_knob_reaches_the_engine():

@@ -23,7 +23,7 @@ def _cli(args):
 
 
 def test_command_line_static_loss_scale_is_a_float():
-    # Union[str, float] keeps "1024" a string in jsonargparse: before, FP8Options refused it deep inside the CLI
+    # Union[str, float] keeps "1024" a string in jsonargparse: the options' validation reads it as the float it spells
     cli = _cli(["--trainer.plugins=lightning_fp8.FP8Precision", "--trainer.plugins.loss_scaling=1024"])
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, FP8Precision)
@@ -46,6 +46,19 @@ def test_yaml_config_with_a_recipe(tmp_path):
     plugin = _cli([f"--config={config}"]).trainer.precision_plugin
     assert plugin.engine.scaler.scale == 2048.0 and plugin.fp8_eval is False
     assert plugin.recipe.scaling == "current" and plugin.recipe.margin == 1
+
+
+def test_help_lists_every_option_with_its_description(capsys):
+    """The plugin defines no constructor: jsonargparse reads the arguments and their descriptions from
+    FP8PrecisionCore.__init__, the one definition of the options."""
+    from lightning_fp8.integrations._core import OPTION_NAMES
+
+    with pytest.raises(SystemExit):
+        _cli(["--trainer.plugins.help", "lightning_fp8.FP8Precision"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in OPTION_NAMES:
+        assert f"--trainer.plugins.{name}" in text, name
+    assert "clean iterations in a row after which the dynamic loss scale doubles. (type: int, default: 1000)" in text
 
 
 @pytest.mark.parametrize("name", ["fp8_eval", "fp8_all_gather"])

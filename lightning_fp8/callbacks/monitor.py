@@ -62,6 +62,7 @@ from lightning_fp8.callbacks.sampling import STATS, StatsRecord
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE
 from lightning_fp8.recipe import ROLES
+from lightning_fp8.state_format import format_version, stamped
 
 log = logging.getLogger("lightning_fp8")
 
@@ -345,9 +346,10 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
 
     # -- checkpoint --------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"events_seen": self._events_seen}
+        return stamped({"events_seen": self._events_seen}, 1)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        format_version(state_dict, "FP8ScaleMonitor state", 1)
         self._restored_events_seen = int(state_dict.get("events_seen", 0))
 
 

@@ -364,12 +364,14 @@ def _flops_if_linear(module: nn.Module) -> int:
 
 
 def _conv1d_reason(cls: type) -> str:
-    supported = HF_CONV1D.source
-    try:
-        HF_CONV1D.fp8_layer_class()
-    except ImportError as error:
-        return f"{cls.__module__}.Conv1D: FP8Conv1D needs transformers, which cannot be imported here ({error})"
-    return f"{cls.__module__}.Conv1D is not {supported} (the Conv1D FP8 supports): {NO_FP8_PATH}"
+    """Why a class named Conv1D stays as it is: transformers' own class whose FP8 layer cannot be built, or a
+    lookalike (told apart without importing transformers: its class is transformers' only if that is imported)."""
+    if cls is HF_CONV1D.source_class():
+        try:
+            HF_CONV1D.fp8_layer_class()
+        except ImportError as error:
+            return f"{cls.__module__}.Conv1D: FP8Conv1D needs transformers, which cannot be imported here ({error})"
+    return f"{cls.__module__}.Conv1D is not {HF_CONV1D.source} (the Conv1D FP8 supports): {NO_FP8_PATH}"
 
 
 __all__ = [

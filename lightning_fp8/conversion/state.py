@@ -13,23 +13,31 @@ state_dict. Without it a converted model starts its scaling afresh (current scal
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Dict
 
 import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers
+from lightning_fp8.state_format import format_version, stamped
 
 #: marks the FP8 metadata entries of a state dict ("<layer fqn>.fp8_meta.<role>.<buffer>")
 FP8_META_MARKER = ".fp8_meta."
 
 
+#: the format version of `fp8_state_dict` (lightning_fp8/state_format.py), recorded as torch records module versions:
+#: in the returned OrderedDict's `_metadata` (not an entry, so the mapping stays tensors only, keyed like a state_dict)
+FP8_STATE_VERSION = 1
+
+
 def fp8_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The FP8 metadata of every FP8 layer of `model`, keyed like a state_dict (detached tensors, not copies)."""
-    state: Dict[str, torch.Tensor] = {}
+    state: Dict[str, torch.Tensor] = OrderedDict()
     for fqn, layer in fp8_layers(model).items():
         prefix = f"{fqn}.fp8_meta." if fqn else "fp8_meta."
         state.update(layer.fp8_meta.state_dict(prefix=prefix, keep_vars=False))
+    state._metadata = {"": stamped({}, FP8_STATE_VERSION)}  # type: ignore[attr-defined]
     return state
 
 
@@ -38,6 +46,7 @@ def load_fp8_state_dict(model: nn.Module, state: Dict[str, torch.Tensor], strict
 
     strict: an entry for a layer that is not an FP8 layer of this model is an error (a checkpoint of a differently
     converted model); FP8 layers without entries keep their current state either way."""
+    format_version(getattr(state, "_metadata", {}).get("", {}), "FP8 layer state (fp8_state_dict)", FP8_STATE_VERSION)
     layers = fp8_layers(model)
     unexpected = []
     by_layer: Dict[str, Dict[str, torch.Tensor]] = {}

@@ -1,11 +1,13 @@
 """StabilityConfig: the knobs of loss scaling, skipping and rollback, validated once.
 
-Every adapter exposes each of these fields under the same name (see lightning_fp8/integrations/_options.py).
+Every adapter takes each of these fields as an option of the same name and default (the options are the parameters
+of `FP8PrecisionCore.__init__`, lightning_fp8/integrations/_core.py); `StabilityConfig.from_options` picks them out.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_fp8.engine.loss_scaler import LossScaling
 
@@ -58,6 +60,11 @@ class StabilityConfig:
             raise ValueError(f"init_loss_scale must be a positive finite float, got {self.init_loss_scale!r}")
         if self.spike_factor is not None and not self.spike_factor > 1.0:
             raise ValueError(f"spike_factor must be > 1 (or None to disable), got {self.spike_factor!r}")
+
+    @classmethod
+    def from_options(cls, options: Any) -> "StabilityConfig":
+        """The config of an adapter's options (any record with one attribute per field, e.g. `FP8Options`)."""
+        return cls(**{field.name: getattr(options, field.name) for field in dataclasses.fields(cls)})
 
 
 __all__ = ["StabilityConfig"]

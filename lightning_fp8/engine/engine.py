@@ -54,8 +54,12 @@ from lightning_fp8.engine.snapshot import optimizer_params
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.state_format import FORMAT_VERSION_KEY, format_version
 
 log = logging.getLogger("lightning_fp8")
+
+#: the format version of `FP8TrainingEngine.state_dict` (lightning_fp8/state_format.py)
+ENGINE_STATE_VERSION = 1
 
 
 def _has_sharded_parameters(model: Optional[nn.Module]) -> bool:
@@ -469,6 +473,7 @@ class FP8TrainingEngine:
     def state_dict(self) -> Dict[str, Any]:
         """The engine's state between iterations (callers close the open iteration first: `end_iteration`)."""
         return {
+            FORMAT_VERSION_KEY: ENGINE_STATE_VERSION,
             "recipe": self.recipe.to_dict(),
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
@@ -482,6 +487,7 @@ class FP8TrainingEngine:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        format_version(state, "FP8 engine state", ENGINE_STATE_VERSION)
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = int(state["skipped_steps"])
         self.rollbacks = int(state["rollbacks"])

@@ -1,57 +1,162 @@
-"""What every FP8 adapter shares: conversion, the FP8 + autocast context, the engine, checkpoint state.
+"""What every FP8 adapter shares: the options, conversion, the FP8 + autocast context, the engine, checkpoint state.
 
-The Lightning and Fabric plugins inherit this mixin next to their framework's Precision base and only translate
-hooks; the Accelerate adapter drives a bare instance (`FP8PrecisionCore.from_options`). Options are validated in
-`_options.py`.
+`FP8PrecisionCore.__init__` is the one definition of the options (names, types, defaults, what each does): the Fabric
+plugin adds Fabric's Precision to this class and the Lightning plugin adds Lightning's to the Fabric plugin, neither
+with an `__init__` of its own, so both take exactly these arguments (what help(), IDEs and LightningCLI /
+jsonargparse read). Records of the options are generated from the same signature (`options_dataclass`): `FP8Options`
+(what an adapter was built with, `core.options`) and Accelerate's `FP8Kwargs`, whose adapter drives a bare core.
+Validation: `_options.validate_options`. This module imports no framework.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import warnings
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import convert_to_fp8
+from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import log_conversion_summary
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
+from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.engine import FP8TrainingEngine
+from lightning_fp8.engine.loss_scaler import LossScaling
+from lightning_fp8.integrations import _rank_zero
 from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
-from lightning_fp8.integrations._options import FP8Options, resolve_compute_dtype
+from lightning_fp8.integrations._options import UnsupportedOptions, recipe_choice, resolve_compute_dtype, validate_options
 from lightning_fp8.modules.autocast import fp8_autocast
 from lightning_fp8.presets import RecipeChoice
 from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.state_format import format_version, stamped
+
+#: the format version of the plugins' checkpoint state (`FP8PrecisionCore.state_dict`; lightning_fp8/state_format.py)
+PLUGIN_STATE_VERSION = 1
 
 
 class FP8PrecisionCore:
     """Shared behaviour of the FP8 adapters: conversion, the FP8 + autocast context, the engine, checkpoint state.
 
-    Built from an `FP8Options` (the adapters' constructors spell the options out and pass them on)."""
+    A framework's plugin is this class plus the framework's Precision base (integrations/fabric.py, lightning.py);
+    the Accelerate adapter drives a bare instance (`FP8Kwargs.build_core()`)."""
 
     precision = "fp8-mixed"
+    #: option values this adapter refuses although they are valid, {(option, value): message}; construction raises
+    #: ValueError(message) (the Fabric plugin: optimizer_state="fp8")
+    unsupported_options: UnsupportedOptions = {}
 
-    def _init_core(self, options: FP8Options) -> None:
-        self.options = options
+    def __init__(
+        self,
+        recipe: Optional[Union[FP8Recipe, str]] = None,
+        *,
+        preset: Optional[str] = None,
+        module_filter: Optional[ModuleFilter] = None,
+        loss_scaling: LossScaling = "auto",
+        init_loss_scale: float = 2.0**8,
+        growth_interval: int = 1000,
+        snapshot_every: int = 50,
+        max_consecutive_skips: int = 10,
+        max_rollbacks: int = 3,
+        rollback_window: int = 1000,
+        spike_factor: Optional[float] = None,
+        spike_window: int = 50,
+        spike_warmup: int = 20,
+        check_weights_every: int = 1,
+        optimizer_state: str = "fp32",
+        optimizer_kwargs: Optional[Dict[str, Any]] = None,
+        compute_dtype: Union[str, torch.dtype] = "bf16",
+        fp8_eval: bool = True,
+        layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
+        fp8_all_gather: bool = True,
+        gradient_communication: str = "bf16",
+        backend: str = "lightning_fp8",
+    ) -> None:
+        """FP8 training of an unchanged model: its linear layers compute in FP8, the engine keeps the run stable.
+
+        Invalid values raise ValueError here, naming the valid choices (docs/plugin.md, "Arguments").
+
+        Args:
+            recipe: an FP8Recipe (formats, scaling, which layers); "auto" (the recipe for the device's compute
+                capability: mxfp8 on Blackwell, the per-tensor default elsewhere; logged in the conversion summary
+                and kept in checkpoints; docs/plugin.md); or None: the preset's. At most one of recipe and preset.
+            preset: a named recipe: "default", "conservative", "mellempudi" (see lightning_fp8.presets).
+            module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
+            loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float
+                (a numeric string, as a command line or a YAML file hands it over, is that float). Steps with
+                non-finite gradients are skipped in every mode.
+            init_loss_scale: the dynamic loss scaler's first scale.
+            growth_interval: clean iterations in a row after which the dynamic loss scale doubles.
+            snapshot_every: iterations between snapshots of the last good state, the rollback targets.
+            max_consecutive_skips: skipped iterations in a row that trigger a rollback.
+            max_rollbacks: rollbacks allowed within `rollback_window` iterations before training stops with
+                FP8DivergenceError; 0 turns rollback (and so snapshots) off.
+            rollback_window: the window (iterations) `max_rollbacks` counts over.
+            spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
+            spike_window: good iterations the running mean of the loss covers.
+            spike_warmup: losses needed before the spike rule can fire.
+            check_weights_every: iterations between checks that every weight is finite.
+            optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (torch Adam / AdamW become FP8AdamW; not
+                with Fabric, which never shows a precision plugin the optimizers: build FP8AdamW there).
+            optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
+            compute_dtype: "bf16" or "fp16" (or the torch dtype): the autocast dtype of everything that is not an
+                FP8 GEMM.
+            fp8_eval: run evaluation forwards (validation / test / predict; Accelerate: the model in eval mode) in
+                FP8 too (True) or in compute_dtype (False).
+            layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: layers that compute with
+                another recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); `layer.recipe` is
+                each layer's.
+            fp8_all_gather: under FSDP2, all-gather the weights of FP8 layers in FP8 (1 byte per element instead of
+                2), each rank casting its shard with the scale all ranks share; applies to layers with a per-tensor
+                recipe (delayed or current scaling), others gather in high precision. The plugins convert the model
+                before the user's fully_shard (a model built inside configure_model: call
+                `precision.convert_for_fsdp(module)` there first; docs/distributed.md). No effect without FSDP2.
+            gradient_communication: "bf16" leaves gradient reduction to the framework, in high precision (DDP reduces
+                in the gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in
+                FP8 with a scale shared across ranks (a DDP comm hook, or FSDP2's reduce-scatter): half the bytes of
+                a BF16 reduction.
+            backend: who computes the FP8 layers: "lightning_fp8" (this library's FP8 layers) or
+                "transformer_engine" (NVIDIA Transformer Engine's te.Linear under te.autocast, with the same recipe;
+                loss scaling, skip and rollback stay the engine's; per-layer features cannot see inside TE layers:
+                docs/plugin.md, "Transformer Engine backend"). Not FP8Recipe.backend, the GEMM implementation of
+                FP8Linear.
+
+        Attributes `skipped_steps`, `rollbacks` and `loss_scale` count in iterations: one backward (or several,
+        accumulated) and a step of every optimizer (docs/plugin.md, "Iterations").
+        """
+        arguments = locals()
+        self.options = FP8Options(**{name: arguments[name] for name in OPTION_NAMES})
+        validate_options(self.options, self.unsupported_options)
         #: the recipe and where it came from (recipe="auto": the device it was chosen for, and why)
-        self.recipe_choice = options.recipe_choice()
+        self.recipe_choice = recipe_choice(self.options)
         self.recipe = self.recipe_choice.recipe
-        self.preset = options.preset
-        self.module_filter = options.module_filter
-        self.optimizer_state = options.optimizer_state
-        self.optimizer_kwargs = dict(options.optimizer_kwargs or {})
-        self.compute_dtype = resolve_compute_dtype(options.compute_dtype)
-        self.fp8_eval = bool(options.fp8_eval)
-        self.engine = FP8TrainingEngine(self.recipe, options.stability_config(), compute_dtype=self.compute_dtype)
+        self.preset = self.options.preset
+        self.module_filter = self.options.module_filter
+        self.optimizer_state = self.options.optimizer_state
+        self.optimizer_kwargs = dict(self.options.optimizer_kwargs or {})
+        self.compute_dtype = resolve_compute_dtype(self.options.compute_dtype)
+        self.fp8_eval = bool(self.options.fp8_eval)
+        self.engine = FP8TrainingEngine(self.recipe, StabilityConfig.from_options(self.options),
+                                        compute_dtype=self.compute_dtype)
         self._module: Optional[nn.Module] = None
+        self._set_up_framework()
 
-    @classmethod
-    def from_options(cls, options: FP8Options) -> "FP8PrecisionCore":
-        """A bare core (no framework base class): what the Accelerate adapter drives."""
-        core = cls.__new__(cls)
-        core._init_core(options)
-        return core
+    def _set_up_framework(self) -> None:
+        """Called once at the end of construction: what a framework's plugin must install before the framework uses
+        it (the Fabric plugin: its conversion before the parallelize function; the Lightning plugin: a warnings
+        filter). Nothing for a bare core."""
+
+    # -- logging: rank zero only ----------------------------------------------------------------------------------
+    def _rank_zero_info(self, message: str) -> None:
+        """Log on rank 0 (a bare core: logger "lightning_fp8"; the plugins: Lightning's rank-zero logging)."""
+        _rank_zero.rank_zero_info(message)
+
+    def _rank_zero_warn(self, message: str) -> None:
+        """Warn on rank 0 (a bare core: warnings.warn; the plugins: Lightning's rank-zero warning)."""
+        _rank_zero.rank_zero_warn(message)
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -75,10 +180,8 @@ class FP8PrecisionCore:
             return adopt_sharded_module(self, module)
         module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
                                 verbose=False)
-        if module is not self._module:  # the conversion summary, once per model, through Lightning's rank-zero logging
-            from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-
-            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn, note=self.recipe_note())
+        if module is not self._module:  # the conversion summary, once per model, on rank zero
+            log_conversion_summary(module, info=self._rank_zero_info, warn=self._rank_zero_warn, note=self.recipe_note())
         exclude_fp8_meta_from_ddp_broadcast(module)
         adopt_tensor_parallel(self, module)
         self._module = module
@@ -92,8 +195,6 @@ class FP8PrecisionCore:
     def _convert_module_te(self, module: nn.Module) -> nn.Module:
         """backend="transformer_engine": nn.Linear layers become te.Linear (backends/transformer_engine.py); the engine
         runs loss scaling, skip and rollback on top, and says once what it cannot see inside TE layers."""
-        from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-
         from lightning_fp8.backends.transformer_engine import convert_for_plugin
 
         if is_fsdp_sharded(module):
@@ -103,8 +204,8 @@ class FP8PrecisionCore:
             )
         if module is not self._module:
             convert_for_plugin(module, self.recipe, self.module_filter)
-            log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn)
-            rank_zero_warn(
+            log_conversion_summary(module, info=self._rank_zero_info, warn=self._rank_zero_warn)
+            self._rank_zero_warn(
                 "lightning_fp8: backend='transformer_engine': te.Linear layers keep their own FP8 scales (TE's "
                 "amax histories, reduced across ranks by te.autocast). Loss scaling, skipped steps and rollback of "
                 "the weights and optimizers are lightning_fp8's; per-layer scale statistics (FP8ScaleMonitor), "
@@ -165,7 +266,7 @@ class FP8PrecisionCore:
             self.engine.settle()
         else:
             self.engine.end_iteration()
-        state: Dict[str, Any] = {"engine": self.engine.state_dict(), "preset": self.preset}
+        state: Dict[str, Any] = stamped({"engine": self.engine.state_dict(), "preset": self.preset}, PLUGIN_STATE_VERSION)
         if self.options.recipe == "auto":
             state["auto_recipe"] = self.recipe_choice.to_dict()
         if self._module is not None:
@@ -174,6 +275,7 @@ class FP8PrecisionCore:
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        format_version(state_dict, "FP8 plugin state", PLUGIN_STATE_VERSION)
         self.engine.load_state_dict(state_dict["engine"])
         saved_recipe = FP8Recipe.from_dict(state_dict["engine"]["recipe"])
         if saved_recipe != self.recipe:
@@ -199,6 +301,36 @@ class FP8PrecisionCore:
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
         self.engine.resync()
+
+
+
+#: the options, in the order of the signature
+OPTION_PARAMETERS: Tuple[inspect.Parameter, ...] = tuple(
+    inspect.signature(FP8PrecisionCore.__init__, eval_str=True).parameters.values())[1:]  # without self
+OPTION_NAMES: Tuple[str, ...] = tuple(parameter.name for parameter in OPTION_PARAMETERS)
+
+
+def options_dataclass(cls: type) -> type:
+    """Class decorator: `cls` as a keyword-only dataclass with one field per option of `FP8PrecisionCore.__init__`
+    (same name, annotation and default, in the same order), keeping `cls`'s bases, docstring and methods.
+
+    The methods are copied into the new class, so they must not use zero-argument `super()` (its cell would name the
+    class before decoration)."""
+    namespace = {key: value for key, value in vars(cls).items() if key not in ("__dict__", "__weakref__")}
+    fields = [(p.name, p.annotation, dataclasses.field(default=p.default)) for p in OPTION_PARAMETERS]
+    return dataclasses.make_dataclass(cls.__name__, fields, bases=cls.__bases__, namespace=namespace, kw_only=True)
+
+
+@options_dataclass
+class FP8Options:
+    """The options an adapter was built with (`core.options`), one attribute per parameter of
+    `FP8PrecisionCore.__init__`, validated by the core that holds them."""
+
+
+def option_values(options: Any) -> Dict[str, Any]:
+    """The options of a record (`FP8Options`, `FP8Kwargs`) as keyword arguments of `FP8PrecisionCore` (shallow: the
+    recipe and the filter are the objects given)."""
+    return {name: getattr(options, name) for name in OPTION_NAMES}
 
 
 def layer_recipe_state(module: nn.Module) -> Dict[str, Dict[str, Any]]:

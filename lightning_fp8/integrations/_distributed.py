@@ -8,14 +8,15 @@
     adopt_sharded_module(core, module)        the framework's own conversion call on a model already sharded:
                                               nothing may be replaced any more; refuse an unconverted model,
                                               otherwise attach the engine
-    register_gradient_communication(options, model)
+    register_gradient_communication(core, model)
                                               gradient_communication="fp8": the DDP comm hook on a DDP wrapper,
                                               the FP8 reduce-scatter on FSDP2 units; idempotent
     adopt_tensor_parallel(core, module)       a model tensor parallelism split (torch's or lightning_fp8's styles):
                                               FP8 metadata back to local tensors, lightning_fp8's styles told the
                                               plugin's gradient_communication
 
-The numerics and the FSDP2 / DDP mechanics live in lightning_fp8/distributed; this module only decides when.
+The numerics and the FSDP2 / DDP mechanics live in lightning_fp8/distributed; this module only decides when. It
+imports no framework: messages go through the core's rank-zero logging.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
 from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
 from lightning_fp8.modules.tensor_parallel import localize_fp8_state
-from lightning_fp8.integrations._options import FP8Options
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_fp8.integrations._core import FP8PrecisionCore
@@ -62,7 +62,7 @@ def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
     module = core.convert_module(module)
     if core.options.fp8_all_gather:
         decisions = enable_fp8_all_gather(module)
-        _log_all_gather(decisions)
+        _log_all_gather(core, decisions)
     return module
 
 
@@ -98,9 +98,7 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
     warn_if_gathered_in_high_precision(core, module)
     adopt_tensor_parallel(core, module)
     if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
-        from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-
-        log_conversion_summary(module, info=rank_zero_info, warn=rank_zero_warn, note=core.recipe_note())
+        log_conversion_summary(module, info=core._rank_zero_info, warn=core._rank_zero_warn, note=core.recipe_note())
     core._module = module
     core.engine.attach(module)
     return module
@@ -122,9 +120,7 @@ def warn_if_gathered_in_high_precision(core: "FP8PrecisionCore", module: nn.Modu
     unexplained = [fqn for fqn, layer in fp8_layers(module).items()
                    if not uses_fp8_all_gather(layer) and fp8_all_gather_reason(layer) is None]
     if unexplained:
-        from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-        rank_zero_warn(
+        core._rank_zero_warn(
             f"lightning_fp8: {len(unexplained)} FP8 layers gather their weights in high precision under FSDP2 "
             f"({', '.join(unexplained[:3])}{' ...' if len(unexplained) > 3 else ''}): they were converted without "
             "FP8 all-gather. Convert with `precision.convert_for_fsdp(module)` before fully_shard to all-gather them "
@@ -132,12 +128,12 @@ def warn_if_gathered_in_high_precision(core: "FP8PrecisionCore", module: nn.Modu
         )
 
 
-def register_gradient_communication(options: FP8Options, model: nn.Module, state: Optional[FP8CommState] = None,
+def register_gradient_communication(core: "FP8PrecisionCore", model: nn.Module, state: Optional[FP8CommState] = None,
                                     warn_unsupported: bool = True) -> bool:
-    """With gradient_communication="fp8": FP8 gradient reduction on `model` (a DDP wrapper: the comm hook; a model
-    with FSDP2 units: their reduce-scatter). True if `model` reduces gradients in FP8 afterwards; with several
+    """With the core's gradient_communication="fp8": FP8 gradient reduction on `model` (a DDP wrapper: the comm hook;
+    a model with FSDP2 units: their reduce-scatter). True if `model` reduces gradients in FP8 afterwards; with several
     processes and neither kind of model, a warning (warn_unsupported) says the option has no effect."""
-    if options.gradient_communication != "fp8":
+    if core.options.gradient_communication != "fp8":
         return False
     if getattr(model, _REGISTERED_ATTR, False):
         return True
@@ -153,13 +149,11 @@ def register_gradient_communication(options: FP8Options, model: nn.Module, state
             ) from error
     elif is_fsdp_sharded(model):
         enable_fp8_reduce_scatter(model, state)
-    elif follow_plugin_communication(model, options.gradient_communication):
+    elif follow_plugin_communication(model, core.options.gradient_communication):
         pass  # tensor parallelism alone: lightning_fp8's styles reduce-scatter in FP8 (tensor_parallel.py)
     else:
         if warn_unsupported and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(
+            core._rank_zero_warn(
                 f"lightning_fp8: gradient_communication='fp8' applies to DDP and FSDP2 (fully_shard); this "
                 f"{type(model).__name__} is neither, so its gradients are reduced as the strategy does."
             )
@@ -168,15 +162,13 @@ def register_gradient_communication(options: FP8Options, model: nn.Module, state
     return True
 
 
-def _log_all_gather(decisions: Dict[str, Optional[str]]) -> None:
-    from lightning.fabric.utilities.rank_zero import rank_zero_info
-
+def _log_all_gather(core: "FP8PrecisionCore", decisions: Dict[str, Optional[str]]) -> None:
     off: List[str] = [f"{fqn} ({reason})" for fqn, reason in decisions.items() if reason is not None]
     on = len(decisions) - len(off)
     message = f"lightning_fp8: FSDP2 all-gathers {on} FP8 layer weights in FP8"
     if off:
         message += f"; in high precision: {'; '.join(off[:5])}{' ...' if len(off) > 5 else ''}"
-    rank_zero_info(message)
+    core._rank_zero_info(message)
 
 
 __all__ = ["convert_for_fsdp", "prepare_for_sharding", "adopt_sharded_module", "register_gradient_communication",

@@ -23,7 +23,7 @@ DDP wrapper.
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, Dict, Optional, Union
+from typing import Any, ContextManager, Dict, Optional
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -33,8 +33,6 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fp8.conversion.filters import ModuleFilter
-from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.conversion.convert import precision_map
@@ -45,51 +43,33 @@ from lightning_fp8.integrations._distributed import (
     register_gradient_communication,
     warn_if_gathered_in_high_precision,
 )
-from lightning_fp8.integrations._options import FP8Options, option_names
-from lightning_fp8.recipe import FP8Recipe
-
-_OPTION_NAMES = frozenset(option_names())
 
 
 class FP8Precision(FP8PrecisionCore, Precision):
-    """Fabric precision plugin; the arguments are those of `lightning_fp8.FP8Precision` (the Trainer plugin), except
-    that optimizer_state="fp8" is refused: Fabric sets up the optimizer you build, so build
-    `lightning_fp8.optim.FP8AdamW` directly. fp8_all_gather and gradient_communication: see the module docstring
-    for the calls they need under FSDP2 and DDP."""
+    """Fabric precision plugin: `Fabric(plugins=FP8Precision(...))`. Its arguments are `FP8PrecisionCore`'s (the same
+    as the Trainer plugin's, `lightning_fp8.FP8Precision`), except that optimizer_state="fp8" is refused: Fabric sets
+    up the optimizer you build, so build `lightning_fp8.optim.FP8AdamW` directly. fp8_all_gather and
+    gradient_communication: see the module docstring for the calls they need under FSDP2 and DDP."""
 
-    def __init__(
-        self,
-        recipe: Optional[Union[FP8Recipe, str]] = None,
-        *,
-        preset: Optional[str] = None,
-        module_filter: Optional[ModuleFilter] = None,
-        loss_scaling: LossScaling = "auto",
-        init_loss_scale: float = 2.0**8,
-        growth_interval: int = 1000,
-        snapshot_every: int = 50,
-        max_consecutive_skips: int = 10,
-        max_rollbacks: int = 3,
-        rollback_window: int = 1000,
-        spike_factor: Optional[float] = None,
-        spike_window: int = 50,
-        spike_warmup: int = 20,
-        check_weights_every: int = 1,
-        optimizer_state: str = "fp32",
-        optimizer_kwargs: Optional[Dict[str, Any]] = None,
-        compute_dtype: Union[str, torch.dtype] = "bf16",
-        fp8_eval: bool = True,
-        layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
-        fp8_all_gather: bool = True,
-        gradient_communication: str = "bf16",
-        backend: str = "lightning_fp8",
-    ) -> None:
-        self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
-        _convert_before_parallelize()
-        if self.optimizer_state != "fp32":
-            raise ValueError(
-                "lightning_fp8.fabric.FP8Precision(optimizer_state='fp8') is not supported: Fabric sets up the "
-                "optimizer you build, so build lightning_fp8.optim.FP8AdamW directly."
-            )
+    unsupported_options = {
+        ("optimizer_state", "fp8"): "lightning_fp8.fabric.FP8Precision(optimizer_state='fp8') is not supported: Fabric "
+                                    "sets up the optimizer you build, so build lightning_fp8.optim.FP8AdamW directly.",
+    }
+
+    def _set_up_framework(self) -> None:
+        _convert_before_parallelize()  # at construction: before Fabric can set up a model with this plugin
+
+    # the plugins log through Lightning's rank-zero utilities (the loggers Lightning configures; the rank its
+    # strategies set), pointing at the same caller as a direct call would (one frame more: stacklevel 5, not 4)
+    def _rank_zero_info(self, message: str) -> None:
+        from lightning.fabric.utilities import rank_zero
+
+        rank_zero.rank_zero_info(message, stacklevel=5)
+
+    def _rank_zero_warn(self, message: str) -> None:
+        from lightning.fabric.utilities import rank_zero
+
+        rank_zero.rank_zero_warn(message, stacklevel=5)
 
     def register_lr_scheduler(self, *schedulers: Any) -> None:
         """Restore these LR schedulers with the model and the optimizers on a rollback. Fabric does not show the
@@ -117,10 +97,8 @@ class FP8Precision(FP8PrecisionCore, Precision):
         told gradient_communication) and reported."""
         self._parallel_adopted = True
         if adopt_tensor_parallel(self, self._module) or any(row.parallel for row in precision_map(self._module)):
-            from lightning.fabric.utilities.rank_zero import rank_zero_info
-
-            rank_zero_info("\n".join(["lightning_fp8: after the parallelize function:",
-                                      *conversion_summary(self._module).tensor_parallel_lines()]))
+            self._rank_zero_info("\n".join(["lightning_fp8: after the parallelize function:",
+                                            *conversion_summary(self._module).tensor_parallel_lines()]))
 
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
         self._check_distributed_setup()
@@ -143,7 +121,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         """With gradient_communication="fp8" under DDP: register the FP8 comm hook on the model `fabric.setup` returned
         (FSDP2 needs no call: the plugin installs the FP8 reduce-scatter on the sharded model at the first backward)."""
         module = getattr(model, "_forward_module", model)  # a _FabricModule's DDP wrapper
-        self._fp8_comm_ready = register_gradient_communication(self.options, module)
+        self._fp8_comm_ready = register_gradient_communication(self, module)
 
     def _check_distributed_setup(self) -> None:
         """Once, at the first backward (Fabric has sharded or wrapped the model by then): under FSDP2 the FP8
@@ -155,7 +133,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
         self._distributed_checked = True
         if is_fsdp_sharded(self._module):
             warn_if_gathered_in_high_precision(self, self._module)
-            register_gradient_communication(self.options, self._module)
+            register_gradient_communication(self, self._module)
         elif adopt_tensor_parallel(self, self._module):
             pass  # tensor parallelism alone: lightning_fp8's styles reduce as gradient_communication says
         elif (self.options.gradient_communication == "fp8" and not getattr(self, "_fp8_comm_ready", False)

@@ -1,100 +1,56 @@
 """FP8Precision for the Lightning Trainer: `Trainer(plugins=FP8Precision())`.
 
 A thin translation of Lightning's precision hooks into FP8TrainingEngine calls; the numerics and the stability logic
-live in lightning_fp8.engine.
+live in lightning_fp8.engine. The plugin is the Fabric plugin with Lightning's Precision in front of it, as Lightning's
+own TransformerEnginePrecision is built on Fabric's: its arguments are `FP8PrecisionCore`'s.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterator, List, Tuple
 
-import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from lightning_fp8.conversion.filters import ModuleFilter
-from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.integrations._distributed import prepare_for_sharding, register_gradient_communication
-from lightning_fp8.integrations._options import FP8Options, option_names
-from lightning_fp8.recipe import FP8Recipe
-
-_OPTION_NAMES = frozenset(option_names())
+from lightning_fp8.integrations.fabric import FP8Precision as FabricFP8Precision
 
 
-class FP8Precision(FP8PrecisionCore, Precision):
+class FP8Precision(Precision, FabricFP8Precision):
     """Train an unchanged LightningModule with its linear layers in FP8: `Trainer(plugins=FP8Precision())`.
 
-    Args:
-        recipe: an FP8Recipe (formats, scaling, which layers); "auto" (the recipe for the device's compute capability:
-            mxfp8 on Blackwell, the per-tensor default elsewhere; docs/plugin.md); or
-        preset: a named recipe: "default", "conservative", "mellempudi" (see lightning_fp8.presets).
-        module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
-        loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float.
-            Steps with non-finite gradients are skipped in every mode.
-        init_loss_scale: the dynamic loss scaler's first scale.
-        growth_interval: clean iterations in a row after which the dynamic loss scale doubles.
-        snapshot_every: iterations between snapshots of the last good state, the rollback targets.
-        max_consecutive_skips: skipped iterations in a row that trigger a rollback.
-        max_rollbacks: rollbacks allowed within `rollback_window` steps before training stops with an error.
-        rollback_window: the window (iterations) `max_rollbacks` counts over.
-        spike_factor: roll back when the loss exceeds this multiple of its running mean (None: off).
-        spike_window: good iterations the running mean of the loss covers.
-        spike_warmup: losses needed before the spike rule can fire.
-        check_weights_every: iterations between checks that every weight is finite.
-        optimizer_state: "fp32" (the user's optimizer as it is) or "fp8" (Adam/AdamW become FP8AdamW).
-        optimizer_kwargs: FP8AdamW storage options used with optimizer_state="fp8".
-        compute_dtype: "bf16" or "fp16": the autocast dtype of everything that is not an FP8 GEMM.
-        fp8_eval: run validation / test / predict in FP8 too (True) or in compute_dtype (False).
-        layer_recipes: {fnmatch pattern of layer names: FP8Recipe}, first match wins: layers that compute with another
-            recipe than `recipe` (e.g. {"*.attn.*": FP8Recipe(scaling="rowwise")}); `layer.recipe` is each layer's.
-        fp8_all_gather: with FSDP2 (ModelParallelStrategy), all-gather FP8 layers' weights in FP8: half the bytes of
-            a BF16 all-gather. The plugin converts the model before configure_model's fully_shard (a model built
-            inside configure_model: call `self.trainer.precision_plugin.convert_for_fsdp(module)` there first;
-            docs/distributed.md).
-        gradient_communication: "bf16" (the strategy's own gradient reduction, in high precision) or "fp8" (gradients
-            reduced in FP8 with a scale shared across ranks: a DDP comm hook, or FSDP2's reduce-scatter; half the
-            bytes of BF16).
-        backend: "lightning_fp8" (this library's FP8 layers) or "transformer_engine" (NVIDIA TE's te.Linear and
-            te.autocast with the same recipe; loss scaling, skip and rollback stay the engine's; docs/plugin.md).
+    The arguments are those of `FP8PrecisionCore.__init__` (recipe, preset, module_filter, loss_scaling and the
+    stability knobs, optimizer_state, compute_dtype, fp8_eval, layer_recipes, fp8_all_gather, gradient_communication,
+    backend; docs/plugin.md, "Arguments"); optimizer_state="fp8" is supported here (the plugin swaps Adam / AdamW for
+    FP8AdamW when Lightning connects the optimizers).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
     number (docs/plugin.md, "Iterations"); a rollback restores the model, every optimizer and every LR scheduler.
+
+    Method resolution: FP8Precision, Lightning's Precision, the Fabric FP8Precision, FP8PrecisionCore, Fabric's
+    Precision. Lightning's Precision comes before the Fabric plugin, so every Lightning hook the Fabric plugin also
+    defines (pre_backward, optimizer_step) is overridden here; of the Fabric plugin's own hooks, the ones Lightning's
+    flow must not get are set back below (forward_context: the FP8 context, without Fabric's start of an iteration).
     """
 
-    def __init__(
-        self,
-        recipe: Optional[Union[FP8Recipe, str]] = None,
-        *,
-        preset: Optional[str] = None,
-        module_filter: Optional[ModuleFilter] = None,
-        loss_scaling: LossScaling = "auto",
-        init_loss_scale: float = 2.0**8,
-        growth_interval: int = 1000,
-        snapshot_every: int = 50,
-        max_consecutive_skips: int = 10,
-        max_rollbacks: int = 3,
-        rollback_window: int = 1000,
-        spike_factor: Optional[float] = None,
-        spike_window: int = 50,
-        spike_warmup: int = 20,
-        check_weights_every: int = 1,
-        optimizer_state: str = "fp32",
-        optimizer_kwargs: Optional[Dict[str, Any]] = None,
-        compute_dtype: Union[str, torch.dtype] = "bf16",
-        fp8_eval: bool = True,
-        layer_recipes: Optional[Dict[str, FP8Recipe]] = None,
-        fp8_all_gather: bool = True,
-        gradient_communication: str = "bf16",
-        backend: str = "lightning_fp8",
-    ) -> None:
-        self._init_core(FP8Options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES}))
+    unsupported_options = {}  # the Trainer shows the plugin its optimizers: optimizer_state="fp8" works here
+
+    # hooks of the Fabric plugin that Lightning's flow keeps as they were: forward_context (Fabric's starts an
+    # iteration; here convert_input / train_step_context do, and the model summary's forward runs in it),
+    # convert_output (Fabric's returns float32; here outputs come back as the step computed them), unscale_gradients
+    # (here optimizer_step unscales, once per iteration)
+    forward_context = FP8PrecisionCore.forward_context
+    convert_output = FabricPrecision.convert_output
+    unscale_gradients = FabricPrecision.unscale_gradients
+
+    def _set_up_framework(self) -> None:
         # Lightning's ModelSummary knows the bit widths of its own precision names only and warns for any other that
         # it counts 32 bits per parameter instead; an FP8 run's parameters are float32 masters, so the estimate is
         # right and the warning is noise (the message names this precision exactly, nothing else is filtered)
@@ -178,7 +134,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
     # -- optimizers ---------------------------------------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
-        register_gradient_communication(self.options, model)  # "fp8": DDP's comm hook / FSDP2's reduce-scatter
+        register_gradient_communication(self, model)  # "fp8": DDP's comm hook / FSDP2's reduce-scatter
         if self.optimizer_state == "fp8":
             optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
         # every optimizer and LR scheduler of the run: one iteration steps them all, a rollback restores them all
@@ -190,7 +146,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
 
         new = to_fp8_optimizer(optimizer, **self.optimizer_kwargs)
         if new is None:
-            rank_zero_warn(unsupported_optimizer_message(optimizer))
+            self._rank_zero_warn(unsupported_optimizer_message(optimizer))
             return optimizer
         rebind_lr_schedulers([config.scheduler for config in lr_scheduler_configs], optimizer, new)
         self.engine.replace_optimizer(optimizer, new)

@@ -25,6 +25,7 @@ from lightning_fp8.optim.reference import adamw_step_
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
 from lightning_fp8.optim.sharded import adopt_sharded_state, init_sharded_state, is_sharded, sharded_step_
 from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
+from lightning_fp8.state_format import format_version, stamped
 
 MASTER_WEIGHTS = ("fp32", "bf16", "fp16")
 BACKENDS = ("torch", "triton")
@@ -36,6 +37,10 @@ FP8_GROUP_KEYS = ("exp_avg_sq_dtype", "master_weights", "block_size", "min_numel
 TORCH_IMPL_KEYS = ("amsgrad", "foreach", "fused", "capturable", "differentiable")
 
 ParamsT = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
+
+
+#: the format version of `FP8AdamW.state_dict` (lightning_fp8/state_format.py)
+FP8_ADAMW_STATE_VERSION = 1
 
 
 class FP8AdamW(Optimizer):
@@ -170,6 +175,10 @@ class FP8AdamW(Optimizer):
         return seeded_generator(p.device, noise_seed(group["seed"], step_about_to_run, index))
 
     # -- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict, with its format version (lightning_fp8/state_format.py)."""
+        return stamped(super().state_dict(), FP8_ADAMW_STATE_VERSION)
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load this optimizer's state dict (bit-exact resume) or a torch.optim.Adam / AdamW one (its float32
         moments are compressed into this optimizer's layout).
@@ -177,6 +186,7 @@ class FP8AdamW(Optimizer):
         Saved group keys win, as in torch; keys a torch state dict lacks (the FP8 storage settings, and
         decoupled_weight_decay for dicts from torch < 2.6) keep this optimizer's values.
         """
+        format_version(state_dict, "FP8AdamW state", FP8_ADAMW_STATE_VERSION)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")

@@ -227,7 +227,7 @@ class FP8AcceleratorMixin:
     def _fp8_communicate(self, model: nn.Module) -> nn.Module:
         """gradient_communication="fp8": the FP8 comm hook on the DDP wrapper, the FP8 reduce-scatter on FSDP2 units."""
         if self._fp8_core is not None:
-            register_gradient_communication(self._fp8_core.options, model)
+            register_gradient_communication(self._fp8_core, model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
