@@ -66,6 +66,19 @@ def run_fp8(argv: List[str]) -> None:
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` sets it
         runpy.run_path(target, run_name="__main__")
+    _end_process_group()
+
+
+def _end_process_group() -> None:
+    """After the script completed on this rank: a barrier (no rank ends the group while another still uses it),
+    then destroy_process_group, which joins gloo's worker threads while Python is fully alive. Unchanged scripts
+    (transformers' Trainer's) leave the group alive, and a gloo worker still holding a finished collective when the
+    interpreter finalizes aborts the process ("terminate called without an active exception", exit code -6)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 __all__ = ["main", "run_fp8", "RUN_COMMAND"]
