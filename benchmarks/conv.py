@@ -40,7 +40,9 @@ from lightning_fp8 import FP8Conv2d, FP8Linear, FP8Recipe  # noqa: E402
 from lightning_fp8.modules.conv_layout import (  # noqa: E402
     ConvGeometry, col2im_add_, flipped_weight_matrix, im2col, input_gradient_geometry, padded_nhwc, weight_matrix,
 )
-from lightning_fp8.modules.gemm import cpu_has_native_bf16, fp8_gemm  # noqa: E402
+from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
+from lightning_fp8.modules.gemm import fp8_gemm  # noqa: E402
+from lightning_fp8.modules.operand import FP8Matrix  # noqa: E402
 from lightning_fp8.presets import get_preset  # noqa: E402
 
 warnings.simplefilter("ignore")
@@ -158,7 +160,7 @@ ONE = torch.ones(())
 
 
 def _gemm(a, b, out=torch.float32):
-    return fp8_gemm(a, ONE, b, ONE, out, None, False, "emulated")
+    return fp8_gemm(FP8Matrix(a, ONE), FP8Matrix(b, ONE), out, None, False, "emulated")
 
 
 def unfold_gemms(xf, wf, gf, geo: ConvGeometry, out_hw):

@@ -180,24 +180,26 @@ def bench_shape(m, k, n, variants, device, timer, rotate, compile_backend):
 def bench_cast(m, k, device, timer, rotate):
     """The input cast alone (amax + scale + cast + transpose): fused kernel vs torch reference, effective GB/s
     counting the bytes each must move at least (read bf16 once, write fp8 twice)."""
-    from lightning_fp8.modules.cast import scaled_cast_transpose
-    from lightning_fp8.numerics import ScalingState
+    from lightning_fp8.modules.cast import PerTensorCaster
+    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
 
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(rotate)]
     recipe = FP8Recipe()
+    caster = PerTensorCaster(recipe)
     min_bytes = m * k * (2 + 1 + 1)
     rows = []
     for label, disable in (("cast-fused", "0"), ("cast-reference", "1")):
         row = {"shape": [m, k], "variant": label, "min_bytes": min_bytes}
         try:
             with env("LIGHTNING_FP8_DISABLE_TRITON", disable):
-                state = ScalingState(recipe.amax_history_len, device=device)
-                scaled_cast_transpose(xs[0], state, recipe, "input", record=True)
-                state.update(recipe.format_for("input"), "delayed", "max", 0, False)
+                meta = FP8LinearMeta(recipe, device=device)
+                caster.cast(xs[0], meta.amax_history, "input", True, layouts=(True, True))
+                torch.ops.lightning_fp8.close_scaling_step(meta.amax_history, meta.overflow_count, meta.clip_count,
+                                                           *meta.constants().values(), True)
                 it = {"i": 0}
 
                 def step():
-                    scaled_cast_transpose(xs[it["i"] % rotate], state, recipe, "input", record=True)
+                    caster.cast(xs[it["i"] % rotate], meta.amax_history, "input", True, layouts=(True, True))
                     it["i"] += 1
 
                 t = timer(step)

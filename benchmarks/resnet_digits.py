@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from lightning_fp8 import FP8Recipe, convert_to_fp8, precision_map  # noqa: E402
 from lightning_fp8.engine import FP8TrainingEngine, StabilityConfig  # noqa: E402
-from lightning_fp8.modules.gemm import cpu_has_native_bf16  # noqa: E402
+from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 from lightning_fp8.presets import get_preset  # noqa: E402
 
 warnings.simplefilter("ignore")
