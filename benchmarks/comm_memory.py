@@ -17,7 +17,7 @@ bucket of float32 gradients.
 
 writes <out>_<label>.json (default out: benchmarks/results/comm_memory), and <out>.md from <out>_before.json and
 <out>_after.json once both exist. "before": the code of commit eb0bc48 (a float32 scale per element, the received
-buffer decoded to float32 at once), run from its verbatim copy in tests/comm_parity_worker.py (`--replaced`; the
+buffer decoded to float32 at once), run from its verbatim copy in tests/workers/comm_parity_worker.py (`--replaced`; the
 same peaks as eb0bc48's own modules gave, measured first). Also counted: the aten operators one call dispatches
 (views excluded), each a kernel launch on a GPU or close to one: the price of the chunking.
 """
@@ -40,8 +40,8 @@ from lightning_fp8.distributed import fp8_reduce
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: the code the chunking replaced (commit eb0bc48), kept verbatim in tests/comm_parity_worker.py (--replaced)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+#: the code the chunking replaced (commit eb0bc48), kept verbatim in tests/workers/comm_parity_worker.py (--replaced)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
 import comm_parity_worker as REPLACED  # noqa: E402
 
 
@@ -148,7 +148,7 @@ def write_markdown(out: str) -> None:
         "uint8 buffers the collectives need (all_gather: (1 + W) N; all_to_all: 2 W ceil(N/W); reduce-scatter: 2N);",
         "\"beyond\": the rest, in MiB. DDP buckets use `scaling=\"per_tensor\"`, 12 tensors per block.",
         "",
-        "before: the code of commit eb0bc48, run from its verbatim copy in tests/comm_parity_worker.py (`--replaced`;",
+        "before: the code of commit eb0bc48, run from its verbatim copy in tests/workers/comm_parity_worker.py (`--replaced`;",
         "eb0bc48's own modules, measured first, gave the same 36 peaks to the byte); aten ops: operators dispatched per",
         "call, views excluded (a kernel launch each on a GPU, or close to one).",
         "",
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "comm_memory"))
     parser.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from the JSON files")
     parser.add_argument("--replaced", action="store_true",
-                        help="measure the replaced code (tests/comm_parity_worker.py's copy of eb0bc48) instead")
+                        help="measure the replaced code (tests/workers/comm_parity_worker.py's copy of eb0bc48) instead")
     args = parser.parse_args()
     if args.markdown_only:
         write_markdown(args.out)
@@ -202,7 +202,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
     if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "lightning_fp8"], cwd=here).returncode:
         commit += "+uncommitted changes"
-    meta = dict(label=args.label, commit=commit, code="replaced (eb0bc48, tests/comm_parity_worker.py)" if args.replaced
+    meta = dict(label=args.label, commit=commit, code="replaced (eb0bc48, tests/workers/comm_parity_worker.py)" if args.replaced
                 else "this checkout", torch=torch.__version__, platform=platform.platform(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 method="peak_allocated_bytes (profiler allocation events, CPU allocator), fake process group")

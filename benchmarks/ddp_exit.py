@@ -7,7 +7,7 @@ called" in the runs' stderr (docs/plugin.md, "DDP on CPU (gloo): the end of a ru
 
     python benchmarks/ddp_exit.py --runs 20 [--late-workers] [--end-group] [--out benchmarks/results/ddp_exit]
 
---late-workers makes gloo's worker threads late on purpose, the way tests/gloo_exit_probe.py does (every thread of a
+--late-workers makes gloo's worker threads late on purpose, the way tests/workers/gloo_exit_probe.py does (every thread of a
 rank on one CPU, the workers in SCHED_IDLE, a 1 ms GIL hold in the last exit handler): what a busy machine does now
 and then, every time. --end-group ends each run with a barrier and destroy_process_group.
 """

@@ -28,13 +28,6 @@ def fresh_accelerate_state(monkeypatch):
     GradientState._reset_state()
 
 
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
-    ref = ref.double()
-    noise = (ref - approx.double()).norm()
-    return float(20 * torch.log10(ref.norm() / noise))
-
-
 @pytest.fixture
 def te_stand_in(monkeypatch):
     """A stand-in for the part of Transformer Engine's public API the TE backend uses (TE 2.x's names and signatures:

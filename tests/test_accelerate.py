@@ -21,7 +21,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import AutocastKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import RegressionModule, full_state, loader, mlp, trainer
+from support.helpers import RegressionModule, full_state, loader, mlp, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, fp8_state_dict, precision_map
 from lightning_fp8.accelerate import FP8Accelerator, FP8AcceleratedOptimizer, FP8Kwargs
 from lightning_fp8.modules.autocast import current_state
@@ -416,7 +416,7 @@ def test_launcher_with_an_accelerate_config_file(tmp_path):
         "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: fp8\nnum_processes: 1\nuse_cpu: true\n"
     )
     cmd = [sys.executable, "-m", "lightning_fp8.accelerate", "launch", "--config_file", str(config),
-           "--num_cpu_threads_per_process", "1", os.path.join(HERE, "accelerate_probe.py")]
+           "--num_cpu_threads_per_process", "1", os.path.join(HERE, "workers", "accelerate_probe.py")]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
@@ -432,8 +432,8 @@ def test_two_cpu_processes_keep_identical_weights_and_scales(tmp_path):
     """2 processes (gloo) launched the way Accelerate 1.15 starts several CPU processes on one machine. Rank 0 alone
     overflows at step 5: both ranks skip that step and only that one."""
     cmd = [sys.executable, "-m", "lightning_fp8.accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", "0", "--num_cpu_threads_per_process", "1", "--mixed_precision", "fp8", os.path.join(HERE, "accelerate_ddp_train.py"),
-           str(tmp_path), "5"]
+           "--main_process_port", "0", "--num_cpu_threads_per_process", "1", "--mixed_precision", "fp8",
+           os.path.join(HERE, "workers", "accelerate_ddp_train.py"), str(tmp_path), "5"]
     proc = subprocess.run(cmd, env=_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]

@@ -10,7 +10,7 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import trainer
+from support.helpers import trainer
 from lightning_fp8 import FP8Precision, convert_to_fp8, fp8_autocast, fp8_layers, precision_map, revert_fp8
 from lightning_fp8.modules.attention import FP8MultiheadAttentionProjection, ProjectedMultiheadAttention
 

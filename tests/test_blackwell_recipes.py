@@ -10,8 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from conftest import sqnr_db
-from helpers import DispatchCount, RegressionModule, loader, trainer
+from support.helpers import DispatchCount, RegressionModule, loader, sqnr_db, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback
 from lightning_fp8.callbacks.fallback_escalation import escalation_target, ladder_for

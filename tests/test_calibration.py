@@ -5,7 +5,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.callbacks import FP8Calibration

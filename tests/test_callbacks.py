@@ -15,8 +15,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from conftest import sqnr_db
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, sqnr_db, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, precision_map
 from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor
 from lightning_fp8.numerics import E4M3, E5M2, dequantize, quantize, scale_from_amax
@@ -450,8 +449,8 @@ warnings.simplefilter("ignore")
 from torch.utils.data import DataLoader
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from helpers import regression_data, trainer
-from process_group import process_group_ended
+from support.helpers import regression_data, trainer
+from support.process_group import process_group_ended
 from test_callbacks import Deep, _HookAt
 from lightning_fp8 import FP8Precision, precision_map
 from lightning_fp8.callbacks import FP8Calibration, FP8LayerFallback, FP8ScaleMonitor

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import RegressionModule, loader, mlp, trainer
+from support.helpers import RegressionModule, loader, mlp, trainer
 from lightning_fp8 import FP8Linear, FP8Precision
 
 

@@ -3,8 +3,8 @@ encode and decode-and-sum give the unchunked code's values to the bit, and the m
 call allocates is its collectives' uint8 buffers plus O(CHUNK), whatever the buffer's size
 (benchmarks/results/comm_memory.md has the before / after numbers).
 
-The bit-for-bit comparison with the replaced code on real ranks: tests/comm_parity_worker.py (3 gloo ranks, every
-algorithm, format, gradient dtype, an inf or a NaN on one rank). Here, in one process: the building blocks against
+The bit-for-bit comparison with the replaced code on real ranks: tests/workers/comm_parity_worker.py (3 gloo ranks,
+every algorithm, format, gradient dtype, an inf or a NaN on one rank). Here, in one process: the building blocks against
 the unchunked expressions on simulated received buffers of up to 33 ranks (random bytes: NaN and inf codes included),
 and the peak allocation under torch's fake process group.
 """
@@ -23,7 +23,7 @@ from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.quantize import quantize
 
-WORKER = os.path.join(os.path.dirname(__file__), "comm_parity_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "comm_parity_worker.py")
 
 #: what a call may allocate beyond its collectives' uint8 buffers, in units of CHUNK bytes (measured: at most 10.5
 #: with the default CHUNK, benchmarks/results/comm_memory.md)
@@ -96,7 +96,7 @@ def test_encode_into_and_segment_scales_are_the_per_element_scale(dtype):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_chunked_paths_match_the_replaced_code_bit_for_bit_on_three_ranks(tmp_path):
-    from torchrun_launch import run_workers
+    from support.torchrun_launch import run_workers
 
     proc = run_workers(WORKER, tmp_path, 300, "3")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, fp8_state_dict
 from lightning_fp8.demo.gpt import GPT, GPTConfig
 from lightning_fp8.engine import FP8TrainingEngine

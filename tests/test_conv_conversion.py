@@ -86,7 +86,7 @@ def test_converted_convolutions_keep_parameters_and_revert_to_their_class():
 
 
 def test_each_fp8_convolution_runs_its_three_gemms_per_group_in_fp8():
-    from hf_models import CountFP8Gemms
+    from support.hf_models import CountFP8Gemms
 
     model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1, groups=2))
     convert_to_fp8(model, NO_FIRST_LAST, verbose=False)

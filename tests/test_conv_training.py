@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import trainer
+from support.helpers import trainer
 from lightning_fp8 import FP8Conv2d, FP8Precision, fp8_layers, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
 

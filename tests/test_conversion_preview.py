@@ -161,7 +161,7 @@ def test_layers_converted_by_other_libraries_are_reported_in_fp8():
 
 def test_conv1d_without_transformers_and_lookalikes_are_named(monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from hf_models import gpt2
+    from support.hf_models import gpt2
 
     import lightning_fp8.modules.hf_conv1d as hf_conv1d
 

@@ -454,7 +454,7 @@ def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_
 
 
 # -- GEMM numerics: the planned calls run through torch's CPU scaled GEMM ------------------------------------------
-from helpers import gemm_request  # noqa: E402
+from support.helpers import gemm_request  # noqa: E402
 
 from lightning_fp8.modules.emulation import emulate  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_two_ranks_identical_weights_and_scales(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "ddp_train.py")
+    script = os.path.join(os.path.dirname(__file__), "workers", "ddp_train.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -36,11 +36,11 @@ def test_ddp_two_ranks_identical_weights_and_scales(tmp_path):
 def test_engine_reductions_leave_nothing_with_gloo_workers_at_exit(tmp_path):
     """Gloo drops a finished collective on its worker thread; a buffer Python created, dropped there while the
     interpreter finalizes, aborts the process ("terminate called without an active exception", exit code -6). Each
-    rank of tests/gloo_exit_probe.py makes the worker threads late on purpose and exits without ending its process
-    group: every buffer all_reduce_max_ reduced must be freed when it returns, and both ranks must exit with 0.
+    rank of tests/workers/gloo_exit_probe.py makes the worker threads late on purpose and exits without ending its
+    process group: every buffer all_reduce_max_ reduced must be freed when it returns, and both ranks must exit with 0.
     Without the wait in lightning_fp8/engine/distributed.py, 0 to 5 of the 20 buffers were freed on return (every
     rank, 10 runs) and 14 of the 20 processes aborted."""
-    script = os.path.join(os.path.dirname(__file__), "gloo_exit_probe.py")
+    script = os.path.join(os.path.dirname(__file__), "workers", "gloo_exit_probe.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     calls = 20
     procs = [

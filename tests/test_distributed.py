@@ -1,5 +1,5 @@
-"""FSDP2 and FP8 communication on 2 CPU ranks (gloo): tests/distributed_worker.py runs every scenario in one launch
-(imports dominate a launch), these tests read what each rank wrote.
+"""FSDP2 and FP8 communication on 2 CPU ranks (gloo): tests/workers/distributed_worker.py runs every scenario in one
+launch (imports dominate a launch), these tests read what each rank wrote.
 
 Parity with DDP: with 2 ranks every gradient reduction adds two float32 numbers, which is exact whatever the order,
 so FSDP2 and DDP runs of the same model and data agree to the bit unless an op's own summation order differs
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "distributed_worker.py")
 #: losses of the FSDP2 runs vs the DDP runs (see the module docstring)
 DDP_PARITY_RTOL = 1e-5
 #: the faults the worker injects: rank 0's loss NaN at global step 1 (engine step 2: a skip and a rollback to the

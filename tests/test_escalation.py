@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Precision, FP8Recipe, fp8_layers, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback
 from lightning_fp8.callbacks.fallback_escalation import escalation_target

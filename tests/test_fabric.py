@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import loader, mlp
+from support.helpers import loader, mlp
 from lightning_fp8 import FP8Linear
 from lightning_fp8.fabric import FP8Precision
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import RegressionModule, trainer
+from support.helpers import RegressionModule, trainer
 from lightning_fp8 import FP8Precision
 from lightning_fp8.engine import FP8DivergenceError
 

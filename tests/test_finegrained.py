@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from conftest import sqnr_db
-from helpers import DispatchCount, RegressionModule, loader, trainer
+from support.helpers import DispatchCount, RegressionModule, loader, sqnr_db, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, fp8_state_dict, precision_map
 from lightning_fp8.demo.gpt import GPT, GPTConfig
 from lightning_fp8.engine import FP8TrainingEngine

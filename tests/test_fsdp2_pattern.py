@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from helpers import RegressionModule, loader, mlp
+from support.helpers import RegressionModule, loader, mlp
 from lightning_fp8 import FP8Precision, fp8_layers
 from lightning_fp8.distributed import uses_fp8_all_gather
 

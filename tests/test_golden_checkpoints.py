@@ -13,8 +13,8 @@ same losses (see RTOL), so the losses alone would not notice.
 Never regenerate the files to make this test pass: `test_the_golden_files_are_the_ones_written_at_ecb0e57` pins their
 hashes here, apart from the script. A change that breaks a resume must keep reading these files (or convert them).
 
-The model, data and loops below repeat make_golden.py's on purpose (not imported from it or from helpers.py): the
-script is a frozen record, these are the current code's way of resuming.
+The model, data and loops below repeat make_golden.py's on purpose (not imported from it or from support/helpers.py):
+the script is a frozen record, these are the current code's way of resuming.
 """
 import hashlib
 import json

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from hf_models import CountFP8Gemms, HFModule, batch_for, bert, fit, gpt2, llama, resnet, t5, transformers, vit
+from support.hf_models import CountFP8Gemms, HFModule, batch_for, bert, fit, gpt2, llama, resnet, t5, transformers, vit
 
 from lightning_fp8 import FP8Layer, convert_to_fp8, precision_map, revert_fp8
 from lightning_fp8.modules.hf_conv1d import FP8Conv1D

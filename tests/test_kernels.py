@@ -644,10 +644,10 @@ _TILED_CASES = {
 def test_interp_fused_tiled_cast_is_the_reference_bit_for_bit(case):
     """The fused fine-grained casts (kernels/triton_tiled.py, interpreted, exact integer rounding) against the torch
     reference CUDA runs without triton: every FP8 code, ties, near-ties, subnormal halves and +-max in each tile
-    (tests/test_tiles.py's edge-value rows), an inf, a -inf and a NaN each in its own tile, ragged last tiles in both
-    dimensions, float32 and bf16 input, margins and non-power-of-two scales, the token padding of x^T: the same bytes,
-    the same scales in the same layout, the same open history slot."""
-    from test_tiles import every_code_tensor
+    (tests/test_tiled_casts.py's edge-value rows), an inf, a -inf and a NaN each in its own tile, ragged last tiles in
+    both dimensions, float32 and bf16 input, margins and non-power-of-two scales, the token padding of x^T: the same
+    bytes, the same scales in the same layout, the same open history slot."""
+    from test_tiled_casts import every_code_tensor
 
     from lightning_fp8.kernels.device import simulate_cuda
     from lightning_fp8.kernels.trace import record_launches

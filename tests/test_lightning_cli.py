@@ -6,7 +6,7 @@ from unittest import mock
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from helpers import RegressionModule, loader
+from support.helpers import RegressionModule, loader
 from lightning_fp8 import FP8Precision, FP8Recipe
 
 

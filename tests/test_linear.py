@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import sqnr_db
+from support.helpers import sqnr_db
 from lightning_fp8 import FP8Linear, FP8Recipe, fp8_autocast, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.numerics import scale_from_amax
 

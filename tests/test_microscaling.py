@@ -13,7 +13,7 @@ from lightning_fp8.numerics import microscaling as mx
 from lightning_fp8.numerics.formats import E2M1, E4M3, E5M2
 from lightning_fp8.numerics.tiles import grid_shape
 from test_quantize import decode, finite_codes
-from test_tiles import Oracle, every_code_tensor
+from test_tiled_casts import Oracle, every_code_tensor
 
 FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -340,7 +340,7 @@ def test_gemm_reference_is_the_per_block_definition(scaling):
 def test_emulated_microscaled_gemm_equals_the_definition(scaling, bf16, out_dtype):
     """Bit for bit where every partial sum is exact (values on a coarse grid), within one output rounding on random
     data; a bias is added before the rounding."""
-    from helpers import gemm_request
+    from support.helpers import gemm_request
 
     from lightning_fp8.modules.emulation import emulate
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import DispatchCount
+from support.helpers import DispatchCount
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8
 from lightning_fp8.engine.scales import ModelScales
 

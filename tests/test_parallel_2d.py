@@ -1,12 +1,12 @@
-"""FSDP2 x tensor parallelism (2 x 2) on 4 CPU ranks (gloo): tests/parallel_2d_worker.py runs both scenarios in one
-launch (4 processes on this machine's 2 cores: the model is tiny and the runs short)."""
+"""FSDP2 x tensor parallelism (2 x 2) on 4 CPU ranks (gloo): tests/workers/parallel_2d_worker.py runs both scenarios
+in one launch (4 processes on this machine's 2 cores: the model is tiny and the runs short)."""
 import os
 
 import pytest
 import torch
-from torchrun_launch import run_workers
+from support.torchrun_launch import run_workers
 
-WORKER = os.path.join(os.path.dirname(__file__), "parallel_2d_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "parallel_2d_worker.py")
 RANKS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

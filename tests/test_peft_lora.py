@@ -3,7 +3,7 @@ base layers run their GEMMs in FP8 without a weight-gradient GEMM, the adapters 
 trainable (adapter) Parameters only."""
 import pytest
 import torch
-from hf_models import CountFP8Gemms, HFModule, batch_for, fit, llama
+from support.hf_models import CountFP8Gemms, HFModule, batch_for, fit, llama
 
 from lightning_fp8 import FP8Layer, FP8Precision, precision_map
 from lightning_fp8.optim import FP8AdamW

@@ -280,7 +280,7 @@ def test_a_version_1_history_still_renders(tmp_path):
 def test_each_layers_recipe_goes_from_the_model_to_the_history_to_the_table(tmp_path):
     """callbacks/hub.py `precision_rows` records each FP8 layer's recipe label (a per-layer nvfp4 recipe with a BF16
     weight gradient here), and the report's table shows that label, not just the scaling."""
-    from helpers import RegressionModule
+    from support.helpers import RegressionModule
 
     from lightning_fp8 import FP8Recipe, convert_to_fp8
     from lightning_fp8.callbacks.hub import precision_rows

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import loader, trainer
+from support.helpers import loader, trainer
 from test_callbacks import Deep, GrowWeight, _HookAt
 from lightning_fp8 import FP8Precision
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor

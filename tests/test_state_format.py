@@ -6,7 +6,7 @@ import copy
 import lightning as L
 import pytest
 import torch
-from helpers import RegressionModule, loader, mlp, trainer
+from support.helpers import RegressionModule, loader, mlp, trainer
 
 from lightning_fp8 import FP8LayerFallback, FP8Precision, FP8ScaleMonitor, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.optim import FP8AdamW

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import RegressionModule, loader, mlp, trainer
+from support.helpers import RegressionModule, loader, mlp, trainer
 from lightning_fp8 import FP8Precision, FP8Recipe, fp8_layers, precision_map
 from lightning_fp8.backends import transformer_engine as te_backend
 

@@ -1,5 +1,5 @@
 """Tensor and sequence parallelism in FP8 on 2 CPU ranks (gloo, one tensor-parallel group of 2):
-tests/tensor_parallel_worker.py runs every scenario in one launch, these tests read what each rank wrote.
+tests/workers/tensor_parallel_worker.py runs every scenario in one launch, these tests read what each rank wrote.
 
 TP=2 against one rank (`TP_VS_SINGLE_RTOL`): the FP8 operands are the same bytes on both (every history, hence every
 delayed scale, is the whole tensor's: the engine's MAX all-reduce of the amaxes; a first-iteration cast without
@@ -14,9 +14,9 @@ import os
 
 import pytest
 import torch
-from torchrun_launch import run_workers
+from support.torchrun_launch import run_workers
 
-WORKER = os.path.join(os.path.dirname(__file__), "tensor_parallel_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "tensor_parallel_worker.py")
 #: relative difference of the TP=2 losses from one rank's (see the module docstring), per compute dtype
 TP_VS_SINGLE_RTOL = {"bf16": 3e-3, "fp32": 1e-6}
 #: the faults the worker injects (engine steps), where no collective carries them to the other rank (so every rank

@@ -25,7 +25,7 @@ from lightning_fp8.modules.operand import FP8Matrix
 from lightning_fp8.numerics import E4M3, E5M2
 from lightning_fp8.numerics.tiles import expand_tiles, quantize_tiles, tiled_gemm_reference, transposed
 
-from helpers import gemm_request
+from support.helpers import gemm_request
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -68,7 +68,7 @@ SAVE_STEP, RESUME_STEPS = 6, 4
 THREADS = 1
 
 
-# -- model, data, seeds (inlined, not imported from tests/helpers.py: this file is a record of what wrote the files) --
+# -- model, data, seeds (inlined, not imported from tests/support/helpers.py: this file is a record of what wrote the files) --
 def seed_all(seed):
     import numpy as np
     import torch

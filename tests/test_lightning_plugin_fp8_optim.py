@@ -3,7 +3,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Precision
 from lightning_fp8.optim import FP8AdamW
 

@@ -1,7 +1,7 @@
 """Run by tests/test_ddp.py on 2 CPU processes (gloo): the engine's reductions leave nothing with gloo's worker threads,
 so a run ends with exit code 0 even when those threads are late.
 
-    python tests/gloo_exit_probe.py RANK STORE_FILE CALLS
+    python tests/workers/gloo_exit_probe.py RANK STORE_FILE CALLS
 
 Gloo runs each collective on a worker thread, which drops the finished work (and the reduced buffer with it) a moment
 after the caller's wait() returned. Dropping a buffer that Python created takes the GIL; if the interpreter is

@@ -1,7 +1,7 @@
-"""What the tensor-parallel workers share (tests/tensor_parallel_worker.py, tests/parallel_2d_worker.py): the
-model size, the steps where a fault is injected on one rank, and the faults themselves, placed where no collective
-carries them to another rank, so every rank takes the skip and the rollback only if the engine agrees its flags
-across ranks."""
+"""What the tensor-parallel workers share (tests/workers/tensor_parallel_worker.py,
+tests/workers/parallel_2d_worker.py): the model size, the steps where a fault is injected on one rank, and the faults
+themselves, placed where no collective carries them to another rank, so every rank takes the skip and the rollback
+only if the engine agrees its flags across ranks."""
 from __future__ import annotations
 
 import math

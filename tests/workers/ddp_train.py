@@ -3,14 +3,15 @@
 Each rank trains on its own shard (DistributedSampler), so activations and gradients, and therefore raw amaxes,
 differ between ranks. Each rank saves its final state; the test checks the ranks agree exactly.
 """
+import os
 import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from helpers import RegressionModule, regression_data, trainer  # noqa: E402
-from process_group import process_group_ended  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.helpers import RegressionModule, regression_data, trainer  # noqa: E402
+from support.process_group import process_group_ended  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402

@@ -1,4 +1,5 @@
-"""Small models and data shared by the plugin tests."""
+"""Small models, data and measures shared by the tests: the regression MLP and its LightningModule, a CPU Trainer,
+SQNR, counts of dispatched operators, GEMM requests from flat arguments."""
 import lightning as L
 import torch
 from torch import nn
@@ -80,6 +81,13 @@ def full_state(model):
     from lightning_fp8 import fp8_state_dict
 
     return {**model.state_dict(), **fp8_state_dict(model)}
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
+    ref = ref.double()
+    noise = (ref - approx.double()).norm()
+    return float(20 * torch.log10(ref.norm() / noise))
 
 
 class DispatchCount:

@@ -1,7 +1,7 @@
 """The FP8 comm hook and reduce-scatter against the code they replaced (the unchunked one of commit eb0bc48: a float32
 scale per element, the whole received buffer decoded to float32 at once), on W gloo ranks, bit for bit.
 
-    python tests/comm_parity_worker.py OUT W
+    python tests/workers/comm_parity_worker.py OUT W
 
 Each rank runs both versions on the same per-rank gradients (random, several tensors of sizes that are not multiples
 of torch's vector widths, magnitudes over many binades; cases with an inf or a NaN on the last rank) with the
@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from process_group import process_group_ended  # noqa: E402
-from torchrun_launch import launch_forked  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.process_group import process_group_ended  # noqa: E402
+from support.torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8.distributed import fp8_reduce  # noqa: E402
 from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook  # noqa: E402

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from helpers import RegressionModule, loader, trainer
+from support.helpers import RegressionModule, loader, trainer
 from lightning_fp8 import FP8Linear, FP8Precision, FP8Recipe, fp8_state_dict, precision_map
 
 

@@ -1,8 +1,8 @@
 """Run by tests/test_tensor_parallel.py (2 CPU ranks, gloo, one tensor-parallel group of 2): every multi-process
 check of tensor and sequence parallelism in FP8 in ONE launch (imports dominate a launch).
 
-    python tests/tensor_parallel_worker.py OUT_DIR [scenario ...]     # forks its 2 ranks (tests/torchrun_launch.py)
-    python -m torch.distributed.run --nproc_per_node 2 tests/tensor_parallel_worker.py OUT_DIR [scenario ...]
+    python tests/workers/tensor_parallel_worker.py OUT_DIR [scenario ...]  # forks its 2 ranks (launch_forked)
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/tensor_parallel_worker.py OUT_DIR [scenario ...]
 
 Each scenario writes OUT_DIR/<scenario>.rank<r>.pt; one that raises writes OUT_DIR/<scenario>.rank<r>.error and the
 others still run. The model is the char-GPT laid out for tensor parallelism (lightning_fp8/demo/parallel_gpt.py),
@@ -10,6 +10,7 @@ tiny. Every rank of the group reads the same batch (tensor parallelism splits th
 """
 import copy
 import math
+import os
 import sys
 import warnings
 
@@ -24,10 +25,11 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from parallel_training import (  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.parallel_training import (  # noqa: E402
     CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, rank, run_scenarios, schedule,
 )
-from torchrun_launch import launch_forked  # noqa: E402
+from support.torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, FP8Recipe, convert_to_fp8, fp8_state_dict  # noqa: E402
 from lightning_fp8.conversion.summary import conversion_summary  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import loader, mlp
+from support.helpers import loader, mlp
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
 
 STEPS, WARMUP, LR = 60, 10, 1e-2

@@ -1,13 +1,13 @@
 """Run by tests/test_accelerate.py on 2 CPU processes (gloo) through the Accelerate launcher:
 
     ACCELERATE_USE_CPU=1 python -m lightning_fp8.accelerate launch --multi_gpu --num_processes 2 \
-        --mixed_precision fp8 tests/accelerate_ddp_train.py OUT_DIR OVERFLOW_STEP
+        --mixed_precision fp8 tests/workers/accelerate_ddp_train.py OUT_DIR OVERFLOW_STEP
 
 An ordinary Accelerate loop: the prepared DataLoader gives each rank its own shard, so activations, gradients and raw
 amaxes differ between ranks. At OVERFLOW_STEP an activation entering an FP8 layer overflows on rank 0 only. Each
 rank saves its final model state (weights and FP8 metadata), counters and losses; the test checks the ranks agree.
 The script ends the way Accelerate asks scripts to end (`end_training`, which ends the process group; see
-tests/process_group.py for why it matters on gloo).
+tests/support/process_group.py for why it matters on gloo).
 """
 import os
 import sys
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import mlp, regression_data  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.helpers import mlp, regression_data  # noqa: E402
 
 from lightning_fp8 import fp8_state_dict  # noqa: E402
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs  # noqa: E402

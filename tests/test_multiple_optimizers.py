@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import loader, mlp, trainer
+from support.helpers import loader, mlp, trainer
 from lightning_fp8 import FP8Precision
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
 

@@ -1,8 +1,8 @@
 """Run by tests/test_parallel_2d.py (4 CPU ranks, gloo): FSDP2 over the data-parallel mesh dimension x tensor
 parallelism over the other (2 x 2), in ONE launch. Tiny model (the 4 processes share 2 cores).
 
-    python tests/parallel_2d_worker.py OUT_DIR [scenario ...]     # forks its 4 ranks (tests/torchrun_launch.py)
-    python -m torch.distributed.run --nproc_per_node 4 tests/parallel_2d_worker.py OUT_DIR [scenario ...]
+    python tests/workers/parallel_2d_worker.py OUT_DIR [scenario ...]  # forks its 4 ranks (launch_forked)
+    python -m torch.distributed.run --nproc_per_node 4 tests/workers/parallel_2d_worker.py OUT_DIR [scenario ...]
 
 The mesh is (data_parallel, tensor_parallel) = (2, 2): ranks {0, 1} and {2, 3} are the tensor-parallel groups, each
 reading its own batches. Each scenario writes OUT_DIR/<scenario>.rank<r>.pt (or .error).
@@ -22,16 +22,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from parallel_training import (  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.parallel_training import (  # noqa: E402
     CFG, STEPS, full_weights, inf_gradient_on_rank_1, nan_loss_on_rank_0, run_scenarios, schedule,
 )
-from torchrun_launch import launch_forked  # noqa: E402
+from support.torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_state_dict  # noqa: E402
 from lightning_fp8.demo.parallel_gpt import ParallelGPT, parallelize_gpt  # noqa: E402
 
 OUT = sys.argv[1]
-CKPT_STEP = 4  # the checkpoint after both faults (parallel_training.py); two steps resumed
+CKPT_STEP = 4  # the checkpoint after both faults (support/parallel_training.py); two steps resumed
 
 
 

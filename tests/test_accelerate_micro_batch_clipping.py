@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import loader, mlp
+from support.helpers import loader, mlp
 from lightning_fp8.accelerate import FP8Accelerator, FP8Kwargs
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests/conftest.py

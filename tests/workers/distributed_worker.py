@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under torchrun (2 CPU ranks, gloo): every multi-process check of the FSDP2 / FP8
 communication work in ONE launch (a launch costs ~10 s of imports per rank).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py OUT_DIR [scenario ...]
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/distributed_worker.py OUT_DIR [scenario ...]
 
 Each scenario writes OUT_DIR/<scenario>.rank<r>.pt (tensors, lists); the test compares ranks and runs. A scenario
 that raises writes its traceback to OUT_DIR/<scenario>.rank<r>.error and the others still run (the collectives of

@@ -6,8 +6,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import mlp  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+from support.helpers import mlp  # noqa: E402
 
 from lightning_fp8 import FP8Linear  # noqa: E402
 from lightning_fp8.accelerate import FP8Accelerator  # noqa: E402
