@@ -1,9 +1,7 @@
-"""Device kernels of lightning-fp8 (shipped as `lightning_fp8.kernels`).
+"""Device kernels of lightning-fp8 (shipped as `lightning_fp8.kernels`): the FP8 casts as torch custom ops.
 
-Which path a tensor takes is decided by its device's profile (`device.py`, which can also simulate a CUDA GPU's
-paths on CPU for tests). Importing this package never imports triton: the Triton code lives in `triton_cast.py` and is loaded on first
-use, only when triton is importable. Without triton (or without CUDA) every op runs its torch twin from
-`reference.py`, which is defined by `lightning_fp8.numerics`.
+Importing this package never imports triton: the Triton kernels load on first use, only where triton is importable.
+Without triton (or without CUDA) every op runs its torch twin, defined by `lightning_fp8.numerics`.
 
 Switches (environment variables, read at call time):
   LIGHTNING_FP8_DISABLE_TRITON=1   never use the Triton kernels (the torch reference everywhere)
@@ -85,8 +83,8 @@ def cpu_twins_enabled_for(x: torch.Tensor) -> bool:
 def use_soft_cast(x: torch.Tensor) -> bool:
     """Exact integer FP8 rounding instead of the hardware cvt: on GPUs without an FP8 convert instruction (below
     sm89: Triton refuses `.to(tl.float8e4nv)` there), on sm89 with a Triton that converts float32 through float16
-    there (two roundings: 3.6 does, 3.9 does not; docs/numerics.md), under the interpreter (its fp8 conversion
-    mis-rounds values that round up across a power of two), or when asked."""
+    there (two roundings: 3.6 does, 3.9 does not), under the interpreter (its fp8 conversion mis-rounds values that
+    round up across a power of two), or when asked."""
     if x.device.type != "cuda" or _env_flag("LIGHTNING_FP8_SOFT_CAST"):
         return True
     return not hardware_cast_exact(profile_of(x.device).capability, triton_version())

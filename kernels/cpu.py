@@ -1,17 +1,17 @@
 """CPU kernels: what the custom ops run on CPU tensors, as fast as eager torch allows, bit-exact with `reference.py`.
 
 `reference.py` composes `lightning_fp8.numerics` and is the definition; on CPU (the emulation every test, CI run and
-demo uses) its cost is dominated by dispatch: a cast of a small tensor is thirty tiny tensor operations on 0-d scales.
-These twins compute the same bits with less:
+demo uses) its cost is dominated by dispatch: a cast of a small tensor is dozens of tiny tensor operations on 0-d
+scales. These twins compute the same bits with less:
 
 - the scale of a cast is derived on the host, in IEEE float32 arithmetic (numpy float32 scalars: correctly rounded
-  divisions, as torch's), from one `tolist()` of the role's amax history: one operation instead of about twenty;
+  divisions, as torch's), from one `tolist()` of the role's amax history: one operation instead of a chain of 0-d ones;
 - the clamp of `quantize` is skipped when the tensor's amax shows that nothing can saturate (it is then the
   identity; one reduction costs less than the clamp, so nearest rounding always takes the amax);
 - everything else is the reference's own tensor operations.
 
-tests/test_kernels.py compares every output and state write of these with the reference over recipes, histories,
-edge values and NaN / inf. Set LIGHTNING_FP8_CPU_REFERENCE=1 to run the reference instead.
+Every output and state write of these equals the reference's, bit for bit, for every recipe, history, edge value and
+NaN / inf. Set LIGHTNING_FP8_CPU_REFERENCE=1 to run the reference instead.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def scaled_cast_cpu(
     rounding = "stochastic" if (stochastic or noise is not None) else "nearest"
     needs_amax = record or scaling == "current" or (scaling == "delayed" and not sized_by_history)
     # Nearest rounding takes the amax even where the scale does not need it (a delayed re-cast in backward): one
-    # reduction (about 0.5 ms for 2816x1024 here) that proves the clamp an identity, instead of the clamp (3.6 ms).
+    # reduction, cheaper than the clamp, that proves the clamp an identity.
     amax_t = fast_amax(x) if (needs_amax or rounding == "nearest") else None
     amax = float(amax_t) if amax_t is not None else 0.0
     scale = host_cast_scale(row, amax if needs_amax else 0.0, fmt.max, scaling, algo_max, margin, power_of_2)

@@ -5,15 +5,14 @@ reference, the CPU twins, the hardware FP8 cast or its integer emulation, `torch
 and which scaling kinds the scaled GEMM takes (lightning_fp8/modules/scaled_mm.py). `profile_of(device)` asks the real
 device.
 
-Why a simulation: every user trains on a GPU, and the machines this library is built and tested on have none. The
-CUDA branches (the casts CUDA runs, the argument preparation of every scaled GEMM, the refusals per architecture)
-would otherwise be code that no test reaches. `simulate_cuda((9, 0))` makes CPU and meta tensors take the paths CUDA
-takes on a GPU of that compute capability: the torch reference casts instead of the CPU twins (or the Triton kernels,
-where the Triton interpreter runs them on CPU), the scaled-GEMM planning for that architecture, and no host-side
-shortcut a real CPU may take. What cannot run on CPU is then checked without running it: scaled-GEMM calls on meta
-tensors against torch's own checks, Triton kernels compiled for the architecture (tests/test_cuda_contract.py,
-tests/test_triton_compile.py). Simulation changes which code runs, never what a result means: values on CPU stay the
-emulation's, which equal the GPU's up to summation order.
+Why a simulation: the CUDA branches (the casts CUDA runs, the argument preparation of every scaled GEMM, the
+refusals per architecture) would otherwise be reachable only on a GPU. `simulate_cuda((9, 0))` makes CPU and meta
+tensors take the paths CUDA takes on a GPU of that compute capability: the torch reference casts instead of the CPU
+twins (or the Triton kernels, where the Triton interpreter runs them on CPU), the scaled-GEMM planning for that
+architecture, and no host-side shortcut a real CPU may take. What cannot run on CPU is then checked without running
+it: scaled-GEMM calls on meta tensors against torch's own checks, Triton kernels compiled for the architecture.
+Simulation changes which code runs, never what a result means: values on CPU stay the emulation's, which equal the
+GPU's up to summation order.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ peer access a kernel on the wrong device's stream, unordered with the work that 
 `device_guard(x)` makes x's device current for the launch and restores the previous one afterwards (what
 `torch.cuda.device` does; c10's DeviceGuard does the same for torch's own CUDA ops). CPU tensors (the Triton
 interpreter) need nothing. Every `kernel[grid](...)` launch in the package sits inside `with device_guard(t):` for a
-tensor `t` it passes to the kernel; tests/test_kernels.py checks that with an AST scan of `kernels/` and
-`lightning_fp8/`. This module imports torch only, so the kernels' callers can use it without triton.
+tensor `t` it passes to the kernel (a rule the test suite enforces on the sources). This module imports torch only,
+so the kernels' callers can use it without triton.
 
 `announce(kernel, reads, writes)` comes right before each launch: it tells the launch recorders of `trace.py` what the
 kernel reads and writes (the CUDA contract suite counts launches and the roofline model prices their bytes), and says

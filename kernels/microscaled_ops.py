@@ -17,8 +17,8 @@ mutating op with outputs of those dtypes ("auto_functionalized_v2 was not remove
   the NVFP4 weight-gradient GEMM reads it. `noise` / `noise_t` (uniform [0, 1) in each layout's unpacked shape):
   stochastic rounding.
 
-What it computes is `numerics.microscaling` (the definition); every device runs that torch code (a fused GPU kernel
-is not written: on a GPU each cast is about a dozen elementwise launches, docs/numerics.md says what that costs).
+What it computes is `numerics.microscaling` (the definition); every device runs that torch code (there is no fused
+GPU kernel: on a GPU each cast is a chain of elementwise launches).
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 One op per tensor: both layouts a tensor's two GEMMs read (x with row tiles for the GEMM that contracts its columns,
 x^T with row tiles for the one that contracts its rows), and the amax record, so a fine-grained FP8 layer dispatches
-as many ops as a per-tensor one (tests/test_finegrained.py counts them). On CUDA it is the fused Triton kernel of
-kernels/triton_tiled.py (1xB / BxB tiles: one launch; rowwise: one launch per layout); elsewhere, and for tiles or
-inputs the kernel does not take (stochastic rounding, float64, tiles above 128), the torch reference or its CPU twin.
+as many ops as a per-tensor one. On CUDA it is the fused Triton kernel of kernels/triton_tiled.py (1xB / BxB tiles:
+one launch; rowwise: one launch per layout); elsewhere, and for tiles or inputs the kernel does not take (stochastic
+rounding, float64, tiles above 128), the torch reference or its CPU twin.
 
-The scales come back in the layout the scaled GEMM reads (`scale_storage`; lightning_fp8/modules/scaled_mm.py uses
+The scales come back in the layout the scaled GEMM reads (`scale_layout`; lightning_fp8/modules/scaled_mm.py uses
 them without a copy), on every path alike, so the fake implementation describes every path. The Python face
 (`tiled_cast`) turns that storage back into the per-tile grid of `numerics.tiles.grid_shape` (a view: same memory).
 

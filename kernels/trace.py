@@ -11,9 +11,8 @@
   the bytes the launcher says the kernel reads and writes.
 
 Run it under `device.simulate_cuda` on meta tensors and the code takes the CUDA paths with shapes only: the Triton
-launchers record and skip their kernels, the scaled-GEMM calls run torch's meta checks. That is the measuring
-instrument of the launch budgets (tests/test_launch_budget.py). A count, not a profile: what runs, not how long it
-takes.
+launchers record and skip their kernels, the scaled-GEMM calls run torch's meta checks: what launch budgets are
+counted with. A count, not a profile: what runs, not how long it takes.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ _NO_KERNEL = {
     "_local_scalar_dense", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "set_",
     "record_stream", "_has_compatible_shallow_copy_type",
 }
-#: GEMMs: name -> how to read (M, K, N) from the arguments
+#: GEMM operators (their FLOPs: `_gemm_flops`)
 _GEMMS = {"mm", "addmm", "_scaled_mm", "_scaled_mm_v2", "bmm", "baddbmm", "matmul"}
 #: in-place operators whose first argument is written without being read
 _WRITE_ONLY_SELF = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "bernoulli_"}

@@ -27,15 +27,10 @@ Which rounding runs where (`lightning_fp8.kernels.use_soft_cast`, `hardware_cast
 Triton compiles it *and* it rounds exactly like the reference, that is sm90+ (H100, B200, RTX 50xx), and sm89 (L4,
 L40S, RTX 40xx) with Triton >= 3.9 (3.6 - 3.8 convert float32 there through float16 truncated toward zero,
 `cvt.rz.f16.f32`, then round again: 1.0625001 gives 1.0 instead of 1.125); the exact integer emulation everywhere
-else (sm80/86/87: A100, A10, RTX 30xx, where `.to(tl.float8e4nv)` does not compile). Evidence, compiled for every
-architecture with Triton's bundled ptxas and no GPU: tests/test_triton_compile.py.
+else (sm80/86/87: A100, A10, RTX 30xx, where `.to(tl.float8e4nv)` does not compile).
 
-Nothing here has run on a GPU yet (the machine this was written on has none): the soft-cast variant was checked
-bit-exactly under the Triton interpreter on CPU; the hardware-cast variant only where the interpreter's own
-fp8 conversion is right. `tests/test_kernels.py -m cuda` is the GPU check.
-
-(Length: one kernel, the JIT helpers it shares with the fused AdamW step (optim/triton_adamw.py), the choice of
-conversion, and its two launchers; splitting them would scatter one kernel.)
+The FP8 conversion helpers (`_fp8_code`, `_fp8_value`, `format_constexprs`) are shared with the fused AdamW step
+(lightning_fp8/optim/triton_adamw.py).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ y = float32(x) * scale, saturated with NaN kept, rounded to FP8 (`triton_cast._f
 exact integer rounding). The tensor's amax is max-accumulated into the role's open history slot (integer atomic max,
 NaN wins, as `torch.maximum`).
 
-Layouts (what `tiled_ops.scale_storage` promises and lightning_fp8/modules/scaled_mm.py consumes without a copy): the
+Layouts (what `tiled_ops.scale_layout` promises and lightning_fp8/modules/scaled_mm.py consumes without a copy): the
 1xB scales of an (R, C) operand are stored as a contiguous (C/B, R) tensor, i.e. the (R, C/B) grid with strides
 (1, R) that cuBLASLt reads for VEC128 scales; BxB scales as a contiguous (R/B, L4) buffer, L4 = C/B rounded up to 4,
 its padding set to 1 (cuBLASLt's 128x128 layout, strides (1, L4) once transposed); rowwise scales (R, 1). Token

@@ -5,7 +5,7 @@ the E5M2 recipe, whose gradients are cast without a per-tensor scale).
 
 `auto_recipe(device)`: the recipe for the device's compute capability (read through `kernels.device.profile_of`, so
 `simulate_cuda((10, 0))` shows the sm100 choice on a CPU), with the reason; the same device always gets the same
-recipe. The table (docs/plugin.md, "recipe='auto'"):
+recipe. The table:
 
   no FP8 tensor cores (CPU, < sm89)  the default per-tensor recipe: every GEMM is emulated, and per-tensor scales are
                                      the cheapest to emulate

@@ -51,11 +51,11 @@ class FP8Recipe:
         DeepSeek-V3, Transformer Engine's block scaling and torchao's rowwise recipe use).
     scaling: per-tensor "delayed" (scale from an amax history, updated after each step; one pass over the tensor on
         GPU) or "current" (scale from the amax of the tensor being cast; one more pass, no lag); or fine-grained,
-        stateless scales along the axis each GEMM does not contract (docs/numerics.md, "Fine-grained scaling"):
-        "rowwise" (one scale per row of the first GEMM operand and per column of the second) or "blockwise"
-        (1 x block_size tiles for inputs and gradients, block_size x block_size blocks for weights: DeepSeek-V3's
-        recipe). A fine-grained recipe ignores amax_history_len / amax_compute_algo for its scales (the history
-        still records each tensor's amax, for overflow detection and monitoring).
+        stateless scales along the axis each GEMM does not contract (lightning_fp8/numerics/tiles.py): "rowwise" (one
+        scale per row of the first GEMM operand and per column of the second) or "blockwise" (1 x block_size tiles
+        for inputs and gradients, block_size x block_size blocks for weights: DeepSeek-V3's recipe). A fine-grained
+        recipe ignores amax_history_len / amax_compute_algo for its scales (the history still records each tensor's
+        amax, for overflow detection and monitoring).
     block_size: the tile length of scaling="blockwise": 128 is what the GPU's blockwise GEMMs take; other powers of
         two from 16 run emulated (a warning says so on a GPU); anything else raises ValueError here.
     amax_history_len: steps of amax kept for delayed scaling.
@@ -68,7 +68,7 @@ class FP8Recipe:
     power_of_2_scales: round scales down to a power of two (default), so scaling and unscaling are exact: a scaled
         value is the FP8 value with its exponent moved, nothing rounds twice. It costs at most one bit of the top
         binade (the amax lands in [max/2, max] instead of at max); it is what lets the CPU emulation run its GEMMs in
-        BF16 faithfully (docs/numerics.md), and what blockwise FP8 recipes use (DeepSeek-V3, TE's block scaling).
+        BF16 faithfully, and what blockwise FP8 recipes use (DeepSeek-V3, TE's block scaling).
     keep_first_last_in_bf16: the default filter keeps the first and the last linear of a model in BF16.
     skip_patterns: glob patterns of layer names (fully qualified) the default filter keeps in BF16.
     backend: GEMM backend: "auto" picks torch's scaled GEMM on CUDA sm89+ and emulation elsewhere (and for the GEMMs
@@ -89,7 +89,7 @@ class FP8Recipe:
         quantizing them (numerics/microscaling.py). Default (None): True for scaling="nvfp4", which is the only scaling
         it applies to.
 
-    The microscaling scalings (docs/numerics.md, "MXFP8 and NVFP4"): "mxfp8" (1 x 32 blocks along the contraction
+    The microscaling scalings (lightning_fp8/numerics/microscaling.py): "mxfp8" (1 x 32 blocks along the contraction
     dimension of every operand, E8M0 power-of-two scales rounded up so no block saturates, E4M3 data; format "e4m3"
     or "hybrid") and "nvfp4" (FP4 E2M1 data, 16-element blocks with E4M3 scales and a float32 tensor scale, 16 x 16
     weight blocks, stochastic rounding of the gradients (rounding="stochastic" by default), random Hadamard transform

@@ -1,15 +1,5 @@
-"""Model conversion: which linear layers become FP8 layers, which stay in high precision, and why.
-
-    convert.py       convert_to_fp8 / revert_fp8 / precision_map (with its dry-run preview) / fp8_layers
-    kinds.py         which classes are linear layers (nn.Linear, transformers' Conv1D, registered kinds) and how
-                     every other GEMM-bearing module is named in the precision map
-    filters.py       the default filter's rules (alignment, MultiheadAttention, skip patterns, LoRA adapters)
-    order.py         "first" and "last": forward order and layers that share an input (the first/last rule)
-    transplant.py    what moves with a replaced layer: hooks, parametrizations, attributes
-    summary.py       the conversion summary logged at conversion (FP8 share of linear FLOPs, BF16 layers and why)
-    shape_filter.py  the optional shape-aware filter (keep a linear in BF16 where FP8 cannot be faster)
-    state.py         fp8_state_dict / load_fp8_state_dict: the FP8 metadata, which the model's state_dict leaves out
-"""
+"""Model conversion: which layers of a model become FP8 layers, which stay in high precision and why, and the FP8
+state that travels outside the model's state_dict."""
 from lightning_fp8.conversion.convert import (
     LayerPrecision,
     convert_to_fp8,

@@ -4,7 +4,7 @@
 blocks, counted from the end, whose linear layers the default filter keeps in BF16, rounded to the nearest number of
 blocks (half up). Why: 4-bit training loses the most in the last layers, which shape the logits; NVIDIA's and
 torchtitan's NVFP4 recipes keep the last ~15% of the blocks (and the output head, which the first / last rule keeps
-already) in BF16, and that is what makes NVFP4 track BF16 (NVIDIA: ~12B model, 10T tokens).
+already) in BF16, which is what lets NVFP4 training track BF16.
 
 "The repeated blocks" are the children of the model's longest `nn.ModuleList` (or `nn.Sequential`) whose children
 contain linear layers: a transformer's `layers` / `h` / `blocks`. A model without one has no blocks, and the rule

@@ -3,7 +3,7 @@ CUDA path launches.
 
 Nothing here is measured. The kernels come from recording the layer's CUDA path on meta tensors
 (`kernels.trace.record_launches` under `device.simulate_cuda`: every kernel with the bytes it reads and writes and
-its FLOPs, exactly the launches tests/test_launch_budget.py pins); each kernel's time is then
+its FLOPs); each kernel's time is then
 
     max(FLOPs / (peak of its operand dtype x GEMM efficiency), bytes / (HBM bandwidth x memory efficiency), min_kernel_s)
 
@@ -12,14 +12,13 @@ kernel takes on the GPU (launch and tail), so a flood of tiny kernels costs what
 nothing. The peaks are the vendors' dense (no sparsity) tensor-core rates and HBM bandwidths of
 `shape_filter.GPU_SPECS` (each with its source there); the efficiencies are assumptions stated on `GPUSpec`. What the
 model cannot see: the GEMM efficiency differing between recipes on the same dtype (blockwise scaling's cuBLASLt
-kernels reach less of the FP8 peak than tensorwise ones: Transformer Engine's H200 GEMM-only profile shows 1.41x for
-block scaling against 1.57x for current scaling), L2 reuse, overlap of communication, and CPU-bound launch gaps.
+kernels reach less of the FP8 peak than tensorwise ones), L2 reuse, overlap of communication, and CPU-bound launch
+gaps.
 
 The same model is applied to Transformer Engine's documented structure (`te_launches`): one fused cast + transpose
 (+ amax) kernel per operand, three GEMMs, so the comparison is of kernel structures, not of kernel qualities.
 
-benchmarks/roofline.py prints the table (benchmarks/results/roofline.md); the shape filter (shape_filter.py) uses
-`predict` to keep a layer in BF16 where FP8 is predicted slower.
+The shape filter (shape_filter.py) uses `predict` to keep a layer in BF16 where FP8 is predicted slower.
 """
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ from torch import nn
 from lightning_fp8.kernels.trace import Launch
 from lightning_fp8.recipe import FP8Recipe
 
-#: shortest GPU time of one kernel (a one-element Triton kernel on an H100 takes about 2 us from launch to end; the
-#: figure torchao's float8 roofline also uses): an assumption, not measured here
+#: shortest GPU time of one kernel, launch to end, however little it does: an assumption (the figure torchao's float8
+#: roofline also uses)
 MIN_KERNEL_S = 2e-6
 
 _FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")

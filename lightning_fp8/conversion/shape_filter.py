@@ -7,10 +7,8 @@ published peaks (`GPU_SPECS`, sources below) and assumed efficiencies, against B
 mode a step also takes at least one CPU launch time per kernel. A layer predicted slower in FP8 stays BF16 with the
 prediction as its reason in the precision map.
 
-It is a model with *assumed* efficiencies, not a benchmark (none of its constants has been measured by this
-project yet: no GPU run has happened, see docs/status.md): it keeps 4096x1024x1024-sized layers (and smaller) in
-BF16 and converts 16384x4096x14336 (benchmarks/results/roofline.md has the table for LLaMA-3 shapes).
-`benchmarks/linear.py` measures the real crossover on a GPU.
+It is a model with *assumed* efficiencies (stated on `GPUSpec`), not a measurement: with them it keeps
+4096x1024x1024-sized layers (and smaller) in BF16 and converts 16384x4096x14336.
 
 On CPU, or a GPU without FP8 tensor cores, FP8 is emulated: there is no speed to win or lose, so nothing is
 filtered ("FP8 emulated: no speed model"). Convolutions are left to the default rules (converted where they can run
@@ -43,14 +41,13 @@ class GPUSpec:
     bf16_tflops: float
     fp8_tflops: float
     hbm_tbps: float
-    #: fraction of peak a large BF16 GEMM reaches: an assumption (typical of large cuBLAS GEMMs on Hopper), not a
-    #: measurement of this project; `benchmarks/linear.py` measures it on a GPU
+    #: fraction of peak a large BF16 GEMM reaches: an assumption (typical of large cuBLAS GEMMs on Hopper)
     bf16_efficiency: float = 0.80
-    #: FP8 GEMMs (cuBLASLt via _scaled_mm) reach a smaller fraction of their doubled peak (assumed, unmeasured)
+    #: FP8 GEMMs (cuBLASLt via _scaled_mm) reach a smaller fraction of their doubled peak (assumed)
     fp8_efficiency: float = 0.65
-    #: fraction of HBM bandwidth an elementwise cast kernel reaches (assumed, unmeasured)
+    #: fraction of HBM bandwidth an elementwise cast kernel reaches (assumed)
     bw_efficiency: float = 0.85
-    #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels; assumed, unmeasured)
+    #: seconds per kernel launch in eager mode (CPU-bound dispatch of small kernels; assumed)
     launch_s: float = 6e-6
     #: dense FP4 rate (Blackwell's NVFP4 / MXFP4 tensor cores); 0: none
     fp4_tflops: float = 0.0

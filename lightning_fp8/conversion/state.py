@@ -67,8 +67,8 @@ def load_fp8_state_dict(model: nn.Module, state: Dict[str, torch.Tensor], strict
 
 
 def split_fp8_meta(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Remove FP8 metadata entries from a model state_dict in place and return them (state dicts written before the
-    metadata left `state_dict()` hold them)."""
+    """Remove FP8 metadata entries from a model state_dict in place and return them (an older checkpoint's model
+    state_dict holds them)."""
     keys = [k for k in state_dict if FP8_META_MARKER in f".{k}"]
     return {k: state_dict.pop(k) for k in keys}
 

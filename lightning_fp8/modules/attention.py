@@ -8,7 +8,7 @@ hooks kept), whose forward calls four projection modules:
 
     q_proj, k_proj, v_proj   `MultiheadAttentionProjection`: rows of the attention's own in_proj_weight (a view,
                              read at every call, so an FSDP2-gathered or a loaded weight is always the one used)
-    out_proj                 the attention's own out_proj (an nn.Linear subclass), now called as a module
+    out_proj                 the attention's own out_proj (an nn.Linear subclass), called as a module
 
 and computes the attention itself exactly as torch does (scaled_dot_product_attention, or the explicit softmax when
 attention weights are asked for), in the compute dtype under autocast: only the projections run in FP8, the practice

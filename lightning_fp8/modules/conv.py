@@ -7,9 +7,8 @@ FP8LayerFallback turns off, calibration, the scale close and the observers FP8Sc
 
 How a convolution becomes GEMMs: unfold + GEMM (lightning_fp8/modules/conv_layout.py), one GEMM of
 K = kh*kw*C/groups per group; the GEMMs, their casts and gradients: lightning_fp8/modules/conv_function.py.
-Measured against the other choice, an implicit GEMM as kh*kw shifted GEMMs accumulated in float32
-(benchmarks/conv.py, docs/models.md): the unfold was faster on the ResNet shapes and on the GPU it is one
-`torch._scaled_mm` per GEMM instead of kh*kw; the implicit form needed about half the transient memory.
+Unfold rather than an implicit GEMM (kh*kw shifted GEMMs accumulated in float32): on a GPU it is one
+`torch._scaled_mm` per GEMM instead of kh*kw, at the cost of the unfolded input's transient memory.
 
 Every padding mode is supported: "zeros" inside the unfold, the others by padding the input with F.pad first, as
 nn.Conv2d does. Unbatched inputs ((C, H, W) / (C, L)) are supported as nn.Conv2d supports them.

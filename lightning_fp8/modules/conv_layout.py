@@ -5,16 +5,16 @@ A convolution of x (N, C, H, W) with a weight (O, C/g, kh, kw) is, for each of i
     cols (N*Ho*Wo, kh*kw*C/g)  @  W_g^T (kh*kw*C/g, O/g)  ->  y (N*Ho*Wo, O/g)
 
 where row (n, ho, wo) of `cols` holds the input window that output position reads, in (kh, kw, c) order (channels
-innermost: copying a window out of channels-last data moves runs of C/g contiguous values, about 6x faster on CPU
-than torch's (c, kh, kw) order, measured in benchmarks/conv.py). A 1x1 convolution with stride 1 and no padding on
-channels-last data is the GEMM itself: `cols` is a view, nothing copied.
+innermost: copying a window out of channels-last data moves runs of C/g contiguous values, where torch's (c, kh, kw)
+order moves single elements). A 1x1 convolution with stride 1 and no padding on channels-last data is the GEMM
+itself: `cols` is a view, nothing copied.
 
 The input gradient, two ways:
 - stride 1 (`input_gradient_geometry`): it is itself a convolution, of dy with the weight flipped and its in/out
   channels swapped (`flipped_weight_matrix`), so the same unfold + one GEMM, accumulated and rounded inside the GEMM;
 - strided: the transposed GEMM dcols = dy @ W_g in float32 followed by "col2im" (`col2im_add_`): every column entry
   added back onto the input position it came from (the stride-1 form would multiply zeros inserted between the
-  gradient's rows: 4x the work at stride 2, measured 7x slower).
+  gradient's rows: 4x the work at stride 2).
 
 Everything here moves values and never computes with them, so it works on FP8 tensors (1 byte per element: the
 unfold of an FP8 input moves k*k bytes per input element, not k*k*2 or k*k*4) and on high-precision ones alike.

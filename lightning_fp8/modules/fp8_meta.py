@@ -212,8 +212,9 @@ def _resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
-    """State written before the per-layer layout had one module per role (`<prefix><role>.amax_history` of length L
-    with slot 0 the open step, `.scale`, `.initialized`, counters): stack it into the [3, L+1] layout."""
+    """Read a state in the older layout of one module per role (`<prefix><role>.amax_history` of length L with slot 0
+    the open step, `.scale`, `.initialized`, counters) into the [3, L+1] layout, in place; other states are left as
+    they are."""
     old = [f"{prefix}{role}.amax_history" for role in ROLES]
     if not all(key in state_dict for key in old):
         return

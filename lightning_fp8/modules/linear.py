@@ -61,7 +61,7 @@ class FP8Layer(nn.Module):
     The FP8 metadata is not part of the layer's `state_dict` (a plain model loads the weights of a converted one,
     and exports such as `save_pretrained` keep the keys of the original model): `lightning_fp8.fp8_state_dict` and
     `load_fp8_state_dict` carry it, and every adapter's checkpoint includes it. A state_dict that does contain
-    `fp8_meta.*` entries (written by an earlier version) still loads them.
+    `fp8_meta.*` entries (an older checkpoint's) loads them too.
     """
 
     in_features: int

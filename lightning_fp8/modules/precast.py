@@ -8,9 +8,9 @@ says "weight", and holds for an input the same way (its role is "input", its GEM
 Why it exists: under FSDP2 with FP8 all-gather (lightning_fp8/distributed/all_gather.py) every rank casts its shard
 of a weight to FP8 with one scale all ranks agree on, and the all-gather moves the FP8 bytes. The unsharded weight
 FSDP2 then puts on the layer for forward and backward is FP8 already: casting it again would round twice, and
-dequantizing it for a high-precision computation would compute from FP8-rounded values (about 4% off the BF16
-weight on a typical layer: a silent wrong answer). So the weight carries what each consumer needs and nothing
-reads it by accident:
+dequantizing it for a high-precision computation would compute from FP8-rounded values (FP8's rounding error in
+every value: a silent wrong answer). So the weight carries what each consumer needs and nothing reads it by
+accident:
 
 - the FP8 data and its quantization scale: what the forward GEMM and the dgrad GEMM take directly
   (`fp8_operands`, `dgrad_operand`);

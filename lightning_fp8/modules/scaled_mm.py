@@ -4,12 +4,11 @@
 per tensor, per row / column or per 128-block, output dtype, bias) into either a `ScaledMMCall`, every argument in the
 shape, layout and dtype that the target's torch and GPU libraries accept, or a `Refusal` that says why the target
 cannot take it (the caller then emulates, and says so once). The plan is plain torch code (pads, copies, views), so
-it runs on CUDA, CPU and meta tensors alike: that is how the CUDA contract suite checks it without a GPU
-(tests/test_cuda_contract.py replays every call on meta tensors against torch's own checks, and `check_call` checks
-what meta tensors cannot show).
+it runs on CUDA, CPU and meta tensors alike: a planned call can be replayed on meta tensors against torch's own
+checks without a GPU, and `check_call` checks what meta tensors cannot show.
 
-The rules, per kind of scaling (torch 2.11 - 2.13, cuBLASLt >= 12.9, as their scaled-GEMM sources read;
-docs/numerics.md, "Scaled GEMM rules"; `ARCH_RULES` per architecture):
+The rules, per kind of scaling (torch 2.11 - 2.13, cuBLASLt >= 12.9, as their scaled-GEMM sources read; `ARCH_RULES`
+per architecture):
 
   every kind   FP8 tensor cores: sm89 and newer. mat_a (M, K) row-major, mat_b (K, N) column-major, K and N multiples
                of 16 (zero-padded here: padded products are zero), M free; never e5m2 x e5m2. Operands exactly

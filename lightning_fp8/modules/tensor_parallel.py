@@ -23,7 +23,7 @@ rank), before anything reads them.
 
 What the layer's scales see: each rank records the amax of its own shards; the engine's once-per-iteration MAX
 all-reduce of every amax (lightning_fp8/engine/scales.py) makes the histories those of the whole tensors, identical on
-every rank (docs/distributed.md, "Tensor parallelism").
+every rank.
 """
 from __future__ import annotations
 

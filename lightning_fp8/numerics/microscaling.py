@@ -214,7 +214,7 @@ def hadamard_transform(x: Tensor, matrix: Optional[Tensor] = None) -> Tensor:
     size = h.shape[0]
     rows, n = x.shape
     padded = -(-n // size) * size
-    x32 = x.to(torch.float32).contiguous()  # a transposed view would make the batched matmul strided (~1000x slower)
+    x32 = x.to(torch.float32).contiguous()  # a transposed view would make the batched matmul strided (far slower)
     if padded != n:
         x32 = torch.nn.functional.pad(x32, (0, padded - n))
     return (x32.view(rows * (padded // size), size) @ h).view(rows, padded)

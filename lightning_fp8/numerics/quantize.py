@@ -1,6 +1,6 @@
 """Quantize / dequantize: the torch reference that defines what every FP8 cast in this library means.
 
-Facts this module is built around (docs/numerics.md, "Facts about the platforms"):
+Facts about torch's casts this module is built around:
 - torch's cast to e4m3fn saturates silently and maps +inf to 448; the cast to e5m2 overflows to inf. So we clamp
   explicitly to +-max before every cast, which makes both formats saturate the same way, and overflow is detected
   from the amax (see `scaling.py`), never from the cast result.

@@ -3,7 +3,7 @@
 Memory per parameter, optimizer state only (the fp32 parameter is the master weight and is not state):
 torch.optim.AdamW keeps 8 bytes; FP8AdamW keeps 1 + 2 bytes (+ 8 / block_size for the two block scales) with the
 default FP16 second moment, 1 + 1 (+ 8 / block_size) with exp_avg_sq_dtype="fp8". See state.py for the layout
-and why each format was chosen, reference.py for the step, docs/optimizer.md for measurements.
+and why each format was chosen, reference.py for the step.
 
 master_weights="bf16" / "fp16" keeps no fp32 copy at all: the parameters themselves are stored in that dtype
 (cast in place when the optimizer takes them) and each update is written with stochastic rounding, so updates
@@ -90,8 +90,8 @@ class FP8AdamW(Optimizer):
             raise ValueError(f"backend={backend!r} is not valid; valid choices: {list(BACKENDS)}")
         if backend == "triton" and importlib.util.find_spec("triton") is None:
             raise ValueError("backend='triton' needs the triton package; use backend='torch'")
-        #: "torch" (the reference, default) or "triton" (fused CUDA kernel where it applies; UNVERIFIED on a GPU
-        #: unless tests/test_optim.py -m cuda has run). Not part of the state dict: a choice of this process.
+        #: "torch" (the reference, default) or "triton" (the fused CUDA kernel of triton_adamw.py where it applies).
+        #: Not part of the state dict: a choice of this process.
         self.backend = backend
         if amsgrad:
             raise ValueError("FP8AdamW does not support amsgrad=True; use amsgrad=False or torch.optim.AdamW")

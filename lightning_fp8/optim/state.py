@@ -32,8 +32,7 @@ Why these formats:
   zero, and its update would become m / eps. In the sqrt domain the element has to be 2**17 times smaller than
   the block's largest before that happens, below where its m (same range, E4M3 too) already reads as zero.
   E4M3 cannot follow v's 0.1% per step with nearest rounding (each element's ratio to its block's largest
-  freezes, biased high), so sqrt(v) is rounded stochastically, like the bf16 option. Measurements:
-  docs/optimizer.md.
+  freezes, biased high), so sqrt(v) is rounded stochastically, like the bf16 option.
 """
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ from lightning_fp8.optim.rounding import stochastic_round
 EXP_AVG_SQ_DTYPES = ("fp16", "bf16", "fp8")
 
 #: rounding of sqrt(v) into E4M3 for exp_avg_sq_dtype="fp8": "stochastic" (what FP8AdamW does) or "nearest".
-#: Not an option of FP8AdamW: a module switch so that benchmarks/optim_convergence.py can run round-to-nearest
-#: as an ablation (see docs/optimizer.md: nearest biases the denominator ~11% high and moved the benchmark's
-#: loss by -1.6% vs AdamW; stochastic rounding by -0.4%).
+#: Not an option of FP8AdamW: a module switch for ablations that run round-to-nearest (which biases the update's
+#: denominator high, see the module docstring).
 FP8_SQRT_V_ROUNDING = "stochastic"
 
 State = Dict[str, Any]

