@@ -1,6 +1,6 @@
 """lightning-fp8: FP8 mixed-precision training for PyTorch Lightning and Hugging Face Accelerate.
 
-Public entry points (docs/architecture.md maps where each lives):
+Public entry points:
 
     from lightning_fp8 import FP8Recipe, FP8Precision, FP8Linear, convert_to_fp8, revert_fp8, fp8_autocast
     from lightning_fp8 import FP8Conv1d, FP8Conv2d          # what convert_to_fp8 makes of nn.Conv1d / nn.Conv2d

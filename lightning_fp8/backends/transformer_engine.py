@@ -25,9 +25,8 @@ What maps and what does not:
 The engine's loss scaling, skip and rollback keep working on top (they act on parameters, gradients and the loss),
 but TE layers have no `fp8_enabled` switch and no lightning_fp8 scaling state: per-layer fallback, the scale
 monitor's statistics, calibration, layer_recipes, the engine's per-layer scale sync and FP8 all-gather do not see
-inside them (TE keeps and reduces its own scales). Unverified here: this machine has neither a GPU nor TE; the error
-paths, the recipe mapping and the plugins' use of TE's API are tested against a stand-in module with TE's public API
-shape (tests/conftest.py, `fake_te`). docs/status.md lists what only a GPU run with TE can confirm.
+inside them (TE keeps and reduces its own scales). The error paths, the recipe mapping and the plugins' calls into
+TE's API are checked against a stand-in with TE's public API shape, not against TE itself on a GPU.
 """
 from __future__ import annotations
 

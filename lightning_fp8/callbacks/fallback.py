@@ -15,7 +15,7 @@ Rules, each checked per FP8 layer and tensor role (input, weight, grad_output):
 overflow   the step's amax exceeded the range the cast's scale allows by more than `overflow_factor`
            (amax * scale > overflow_factor * fp8_max: values clipped by more than that factor). Checked every
            optimizer step from the layers' own scaling state, before the engine updates the scales (one small
-           device-to-host copy per step). A cast that clips a hair (a weight growing by 0.01% under delayed scaling
+           device-to-host copy per step). A cast that clips a hair (a weight growing slightly under delayed scaling
            does that on most steps early in training) is normal and does not count. A layer falls back when it was
            the *origin* of an overflow in `overflow_patience` of the last `overflow_window` steps.
 precision  the quantization SQNR of a role is below `min_sqnr_db`, or more than `max_underflow` of its non-zero values
@@ -33,19 +33,16 @@ in the same step, so every anomaly is attributed to the layer where it starts, a
 origin count against it.
 
 Every switch is logged (python logging, a `fp8/<fqn>/fp8_enabled` logger metric and `fp8/fallback_layers`, an
-event in the history file) and kept in checkpoints; `fp8/fallback_layers` is also in `trainer.callback_metrics` from
-the first step on (EarlyStopping / ModelCheckpoint can watch it). Every step in which a tensor went beyond
-`overflow_factor` is an "overflow" event in the history file (step, layer, role, ratio), whether or not it moves a
-layer, so the report shows faults between the monitor's samples (this callback's state; the layer's `fp8_meta.enabled` buffer
+event in the history file) and kept in checkpoints (this callback's state; the layer's `fp8_meta.enabled` buffer
 travels with the precision plugin's state), so a resumed run has the same precision map with the same reasons.
+`fp8/fallback_layers` is also in `trainer.callback_metrics` from the first step on (EarlyStopping / ModelCheckpoint
+can watch it). Every step in which a tensor went beyond `overflow_factor` is an "overflow" event in the history file
+(step, layer, role, ratio), whether or not it moves a layer, so the report shows faults between the monitor's samples.
 `retry_after_steps` optionally tries a fallen-back layer in FP8 again later (with fresh scaling state).
 `keep_in_bf16` keeps layers matching glob patterns in BF16 from the start.
 
 Under DDP the per-rank observations are combined with one MAX all-reduce per step, so every rank makes the same
 decision.
-
-(Length: this file is the callback's hook plumbing, switching and escalating, events and checkpoint state, plus the rules' user
-documentation above; the rule logic itself is in fallback_rules.py.)
 """
 from __future__ import annotations
 
@@ -86,21 +83,20 @@ def reset_scaling_state(layer: FP8Linear) -> None:
 
 
 class FP8LayerFallback(StatsConsumer, Callback):
-    """Switch layers that cannot live in FP8 to BF16 (see the module docstring for the rules).
+    """Move layers that cannot live in FP8 to a finer scaling, then to BF16 (see the module docstring for the rules).
 
     Args:
         keep_in_bf16: glob patterns of layer names (fully qualified, e.g. "blocks.*.attn.*") kept in BF16 from the
             start.
-        overflow_factor: an amax more than this factor beyond the cast's range counts as an overflow. Healthy runs
-            peak at about 2x (regression MLP) to 4.6x (demo GPT, gradients in the first steps).
+        overflow_factor: an amax more than this factor beyond the cast's range counts as an overflow.
         overflow_patience / overflow_window: overflows (as origin) in that many of the last `overflow_window`
             steps move the layer.
-        min_sqnr_db: quantization SQNR (dB) below which a statistics check is bad (None: off). FP8 casts of
-            well-scaled tensors measure about 31 dB (E4M3) and 25 dB (E5M2).
+        min_sqnr_db: quantization SQNR (dB) below which a statistics check is bad (None: off); the default is far
+            below the SQNR of FP8 casts of well-scaled tensors.
         max_underflow: fraction of non-zero values flushed to zero above which a check is bad (None: off).
-        escalate_to: "auto" (the next recipe of the ladder of the layer's GPU: docs/monitoring.md), or the one finer
-            scaling ("rowwise", "blockwise", "mxfp8") a layer moves to before BF16 when the overflow or precision rule
-            fires (None: straight to BF16).
+        escalate_to: "auto" (the next recipe of the ladder of the layer's GPU, see the module docstring), or the one
+            finer scaling ("rowwise", "blockwise", "mxfp8") a layer moves to before BF16 when the overflow or
+            precision rule fires (None: straight to BF16).
         stats_patience: consecutive bad statistics checks that move the layer.
         check_every_n_steps: optimizer steps between statistics checks (they also run on FP8ScaleMonitor's logging
             steps). None: only on the monitor's steps.
@@ -159,7 +155,7 @@ class FP8LayerFallback(StatsConsumer, Callback):
         #: fqn -> {"reason", "rule", "roles", "step", "manual", "retries", "retry_at"}: the layers this callback
         #: keeps in BF16, with why. Survives checkpoints.
         self.fallbacks: Dict[str, Dict[str, Any]] = {}
-        #: chronological switches (fallback / retry / keep_bf16) made by this callback
+        #: chronological switches (escalate / fallback / retry / keep_bf16) made by this callback
         self.events: List[Dict[str, Any]] = []
         self._retries: Dict[str, int] = {}
         self._step_start: Optional[int] = None

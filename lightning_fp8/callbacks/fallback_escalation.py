@@ -2,10 +2,9 @@
 next recipe of its GPU's ladder, and only a layer at the top of the ladder moves to BF16.
 
 Why a finer scaling helps: one huge channel (an "outlier feature") makes a per-tensor scale push every other value of
-the tensor below the FP8 range, so the weight gradient of the other channels is flushed to zero (measured: 0 dB at
-x1e6, docs/numerics.md) while the loss looks healthy. Per-tile scales along the axis a GEMM does not contract give
-that channel its own scales in the weight-gradient GEMM (28.5 dB at x1e6), so the layer keeps FP8 speed instead of
-falling back to BF16.
+the tensor below the FP8 range, so the weight gradient of the other channels is flushed to zero while the loss looks
+healthy. Per-tile scales along the axis a GEMM does not contract give that channel its own scales in the
+weight-gradient GEMM, so the layer keeps FP8 speed instead of falling back to BF16.
 
 The ladder per device (`ladder_for`, escalate_to="auto", the default): the recipes its tensor cores run natively, from
 the least to the most precise (lightning_fp8/recipe.py, SCALING_ORDER: nvfp4 < delayed = current < rowwise < blockwise

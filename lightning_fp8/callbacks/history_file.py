@@ -1,9 +1,10 @@
 """The run's FP8 history file (`fp8_history.jsonl`): append-only JSON lines the report reads.
 
 One object per line, "type" in run | precision_map | stats | event (the fields: lightning_fp8/report/history.py).
-Non-finite floats are written as the strings "nan" / "inf" / "-inf" so the file stays strict JSON. Version 2 added
-the thresholds to the run header, range_ratio / loss_scale / step_time_s to the stats lines, and the per-step
-"nonfinite" and "overflow" events with their tensors.
+Non-finite floats are written as the strings "nan" / "inf" / "-inf" so the file stays strict JSON. The run header
+carries HISTORY_VERSION; version 2 files hold the thresholds in the run header, range_ratio / loss_scale /
+step_time_s in the stats lines, and the per-step "nonfinite" and "overflow" events with their tensors (version 1
+files lack them).
 """
 from __future__ import annotations
 

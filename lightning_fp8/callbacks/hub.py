@@ -254,8 +254,9 @@ def publish_metrics(trainer, pl_module, metrics: Dict[str, float], step: int, ca
     (`Trainer(log_every_n_steps)`) and then repeats it on every later row of the epoch, so a sampled statistic would
     land on the wrong row or look freshly measured when it is not. The metrics ModelCheckpoint / EarlyStopping /
     ReduceLROnPlateau watch go through `pl_module.log_dict(..., logger=False)`, Lightning's logging path, which is
-    how they reach `trainer.callback_metrics`. Only the watched ones: `self.log` costs ~0.1-0.3 ms per name, and
-    a model with hundreds of FP8 layers has thousands of names. Values are CPU tensors (no device copy, no sync)."""
+    how they reach `trainer.callback_metrics`. Only the watched ones: every `self.log` name costs Python time per
+    step, and a model with hundreds of FP8 layers has thousands of names. Values are CPU tensors (no device copy, no
+    sync)."""
     keys = [key for key in callback_keys if key in metrics]
     if keys:
         pl_module.log_dict(

@@ -1,7 +1,8 @@
 """LightningModule for the char-GPT demo: warmup + cosine decay to zero, fixed validation set.
 
-The LR decays to zero because short runs at a constant LR are chaotic (docs/measuring.md): a 1% eps change moves the final
-loss by 1% there, so a precision comparison must end with the LR at zero to mean anything.
+The LR decays to zero because short runs at a constant LR are chaotic: a tiny perturbation (of Adam's eps, say) moves
+the final loss as much as a change of precision does, so a precision comparison must end with the LR at zero to mean
+anything.
 """
 from __future__ import annotations
 

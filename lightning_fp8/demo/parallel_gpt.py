@@ -1,4 +1,4 @@
-"""The char-GPT laid out for tensor parallelism, and its parallelization plan (docs/distributed.md).
+"""The char-GPT laid out for tensor parallelism, and its parallelization plan.
 
 demo/gpt.py's GPT fuses q, k and v into one linear and takes its head count from the whole model width; tensor
 parallelism splits attention by heads, each rank holding a slice of q, k and v. So this variant keeps q, k and v

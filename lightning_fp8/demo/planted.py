@@ -1,5 +1,5 @@
 """A char-GPT with a planted outlier channel: the failure fine-grained scaling and FP8LayerFallback's escalation are
-for, small enough for a test (tests/test_escalation.py) and a 3-seed benchmark (benchmarks/escalation.py).
+for, small enough to train on a CPU.
 
 One input channel of one linear layer is multiplied by 1e6 ("massive activations" of large language models) and its
 weight column is held at zero, so in exact arithmetic (and in BF16) the channel changes nothing; a per-tensor FP8

@@ -3,7 +3,7 @@ compare.
 
 The baseline is what the machine runs best, so the time column says something true: BF16 mixed precision on a GPU or
 on a CPU that multiplies BF16 in hardware (AVX512-BF16, AMX), float32 on a CPU without it (an AVX2-only CPU runs
-torch's BF16 GEMMs in a software fallback ~150x slower than float32, which would make any FP8 run look fast). Where
+torch's BF16 GEMMs in a software fallback far slower than float32, which would make any FP8 run look fast). Where
 FP8 GEMMs are emulated (no FP8 tensor cores), the FP8 run is labelled "emulated": its time measures the emulation,
 not FP8.
 """

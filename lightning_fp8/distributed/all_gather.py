@@ -19,14 +19,15 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
   optimizer hook counts them) and no write to the shard through this subclass (in place, out=, foreach, through any
   view of it) since. Those inputs are the same on every rank, so every rank decides alike and the collectives stay
   matched; a late or missing call costs a collective, never a stale scale. Backward re-gathers reuse the forward's
-  amax (the weights cannot have changed in between). Before: one 4-byte all-reduce per layer and forward.
+  amax (the weights cannot have changed in between).
 - `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
   compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
-  before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight` (lightning_fp8/modules/precast.py): the
-  FP8 layer feeds its data and scale to the forward and dgrad GEMMs without casting again, and every path that does
-  not compute in FP8 with that cast (fp8_autocast(enabled=False), fp8_eval=False, a layer FP8LayerFallback moved to
-  BF16, calibration, a recipe override) gets the exact high-precision weight through `_HighPrecisionGather`, one
-  all-gather of the shard in FSDP2's param_dtype: what FSDP2 would have gathered without FP8 all-gather.
+  before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight`
+  (lightning_fp8/modules/precast.py): the FP8 layer feeds its data and scale to the forward and dgrad GEMMs without
+  casting again, and every path that does not compute in FP8 with that cast (fp8_autocast(enabled=False),
+  fp8_eval=False, a layer FP8LayerFallback moved to BF16, calibration, a recipe override) gets the exact
+  high-precision weight through `_HighPrecisionGather`, one all-gather of the shard in FSDP2's param_dtype: what
+  FSDP2 would have gathered without FP8 all-gather.
 
 Which layers: FP8 layers with a per-tensor recipe (delayed or current scaling: one scale for the whole weight can be
 agreed before the gather; fine-grained recipes scale tiles and keep their weight gathered in high precision), whose

@@ -6,8 +6,7 @@ comm hook) or from C++ (DDP's reducer); DTensor's redistributions (tensor parall
 instead, `_c10d_functional::*` ops (`all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce`, ...), which run
 the process group directly: both namespaces are counted, each op under its own name. A TorchDispatchMode sees each
 with its real tensors (the mechanism of torch's own `CommDebugMode`, which counts calls only), so the bytes are
-counted, not estimated. It is in the package
-rather than in benchmarks/ because the tests assert byte ratios with it and users can check their own runs:
+counted, not estimated. Users can check their own runs with it:
 
     with CommBytes() as counter:
         ... one training step ...
@@ -22,8 +21,7 @@ kinds on bus bytes: an all-reduce moves its buffer twice. Timing runs must not u
 per op). Collectives issued from threads other than the one that entered the mode are not seen.
 
 `peak_allocated_bytes(fn)` measures the other cost of a communication path, the memory it allocates: the peak of the
-CPU allocator's running total while `fn` runs (benchmarks/comm_memory.py: the comm hook's and the reduce-scatter's
-temporaries per gradient element).
+CPU allocator's running total while `fn` runs (e.g. the comm hook's and the reduce-scatter's temporaries).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     from lightning_fp8.distributed import FP8CommState, fp8_comm_hook
     ddp_model.register_comm_hook(FP8CommState(), fp8_comm_hook)
 
-The plugins register it themselves with `gradient_communication="fp8"` (docs/distributed.md). Per bucket of N
+The plugins register it themselves with `gradient_communication="fp8"`. Per bucket of N
 gradient elements on W ranks (the numerics: fp8_reduce.py):
 
 1. the amax of each parameter's gradient in the bucket (`scaling="per_tensor"`, FP8-LM's choice: a layer with small
@@ -19,14 +19,12 @@ gradient elements on W ranks (the numerics: fp8_reduce.py):
 3. the average written back into the bucket; NaN everywhere if any rank's bucket held inf / NaN (the engine then
    skips the step on every rank).
 
-Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 buffers the collectives need ("all_gather":
-N sent + W N received; "all_to_all": sent and received, W ceil(N/W) bytes each, then N + ceil(N/W) for the means)
-plus at most 42 MiB of temporaries (CHUNK = 2^22 elements at a time, fp8_reduce.py), whatever N: 5.66 bytes
-per element for a 12.6 M-element bucket at W = 2 (before the chunking: 13 + 5W bytes per element with
-"all_gather", 23.5 to 25 with "all_to_all", from a float32 scale per element and the whole received buffer in float32).
+Memory: the uint8 buffers the collectives need ("all_gather": N sent + W N received; "all_to_all": sent and
+received, W ceil(N/W) bytes each, then N + ceil(N/W) for the means) plus float32 temporaries of O(fp8_reduce.CHUNK)
+elements (the encode and the decode-and-sum work a chunk at a time), whatever N.
 
 The amax all-reduce is per bucket, not per iteration: the scale must be known before the cast, and a bucket's amax
-exists only once backward produced it (fp8_reduce.py's docstring, docs/distributed.md).
+exists only once backward produced it (fp8_reduce.py's docstring).
 
 No host synchronisation: the amax all-reduce is issued in stream order and the rest is chained on the collective's
 future. Why this module has no `from __future__ import annotations`: DDP checks the hook's annotations by value
@@ -154,8 +152,8 @@ class _Shifted:
 
 def bf16_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The BF16 baseline: the bucket averaged by a BF16 all-reduce (`ddp_model.register_comm_hook(None,
-    bf16_comm_hook)`). What torch's `bf16_compress_hook` does, which refuses to run on CPU (gloo): the benchmarks
-    and tests compare the FP8 hook with this one on CPU ranks."""
+    bf16_comm_hook)`). What torch's `bf16_compress_hook` does, which refuses to run on CPU (gloo): this one runs on
+    CPU ranks too, so the FP8 hook can be compared with a BF16 baseline there."""
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
     work = dist.all_reduce(compressed, async_op=True)

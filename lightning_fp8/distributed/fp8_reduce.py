@@ -16,15 +16,14 @@ buffer; they differ only in which collectives move the bytes.
   reduced gradients skips the step on all ranks, as it would after a BF16 all-reduce.
 - Bounded temporaries: a scale per tensor segment (`SegmentScales`), never one float per element, and the encode
   (`encode_into`) and the decode-and-sum (`decode_sum_into`) run `CHUNK` elements at a time, straight into the uint8
-  send buffer and into the output. What a call allocates is the uint8 buffers its collectives need plus at most
-  10.5 x CHUNK bytes (measured, CPU: benchmarks/results/comm_memory.md), whatever the buffer's size; the values are
-  the unchunked code's to the bit (tests/test_comm_memory.py).
+  send buffer and into the output. What a call allocates is the uint8 buffers its collectives need plus temporaries
+  of O(CHUNK) bytes, whatever the buffer's size; the values are the unchunked code's to the bit.
 - One MAX all-reduce per call (per DDP bucket, per FSDP2 unit), not one per iteration: the shared scale needs the
   amax of the gradients being cast, which exists only once backward has produced that bucket, while the next
   buckets are still being computed. A collective per iteration could only carry an earlier iteration's amaxes
   (delayed scaling: a gradient larger than last step's saturates or, unsaturated, turns the step into a skip) or be
   issued after backward (too late for DDP's overlap). Its cost is a latency, not bytes: 4 bytes per tensor against
-  the bucket's megabytes (docs/distributed.md, "Why one amax all-reduce per bucket").
+  the bucket's megabytes.
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ def shared_scales(local_amax: Tensor, fmt: FP8Format, margin: int, group: Option
 
 
 #: elements per step of the chunked encode and decode-and-sum: the float32 temporaries of one call are a few times
-#: CHUNK x 4 bytes, whatever the buffer's size (benchmarks/results/comm_memory.md). A power of two: the decode's column
+#: CHUNK x 4 bytes, whatever the buffer's size. A power of two: the decode's column
 #: chunks then start where torch's vectorised reduction groups start (bit-identical sums, see `decode_sum_into`).
 CHUNK = 1 << 22
 #: the narrowest block of columns the decode sums at once (more than torch's vectorised groups, 64 floats at most)

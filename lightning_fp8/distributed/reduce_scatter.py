@@ -7,11 +7,9 @@ cast to FP8 and moved by an all-to-all of uint8 chunks (each rank receives its s
 bytes sent, half of a BF16 reduce-scatter's); a float32 sum of what arrived; FSDP2's reduce op applied (AVG, or SUM
 when FSDP2 divides by itself). Non-finite gradients on any rank make every rank's shard NaN (the engine skips).
 
-Memory (measured on CPU, benchmarks/results/comm_memory.md): the uint8 send and receive buffers, N bytes each for
-a unit of N gradient elements, and at most 6.5 MiB of float32 temporaries: the received values are decoded and
-summed over the ranks a block of columns at a time (fp8_reduce.decode_sum_into), written straight into FSDP2's
-output. 2.0 bytes per element for a 12.6 M-element unit (before: 8 to 10, the whole received buffer in float32 and
-its sum; a 200 M-parameter unit: about 0.4 GB instead of 2 GB at W = 2).
+Memory: the uint8 send and receive buffers, N bytes each for a unit of N gradient elements, and float32 temporaries
+of O(fp8_reduce.CHUNK) elements whatever N: the received values are decoded and summed over the ranks a block of
+columns at a time (fp8_reduce.decode_sum_into), written straight into FSDP2's output.
 
 One scale per call, not per parameter: the buffer's parameter boundaries are FSDP2's private layout. FSDP2 calls it
 synchronously in its reduce-scatter stream; nothing here synchronises with the host.

@@ -14,7 +14,7 @@ from lightning_fp8.engine.loss_scaler import LossScaling
 
 @dataclass(frozen=True)
 class StabilityConfig:
-    """The knobs of loss scaling, skipping and rollback (documented in docs/plugin.md).
+    """The knobs of loss scaling, skipping and rollback.
 
     loss_scaling: "auto" | "dynamic" | "none" | float (static scale).
     init_loss_scale / growth_interval: the dynamic scaler starts at init_loss_scale and doubles after growth_interval

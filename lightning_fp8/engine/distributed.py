@@ -4,15 +4,14 @@ rank makes the same skip / rollback decision). No-ops outside an initialised mul
 Sharded parameters (FSDP2's DTensors) are checked through their local shards (`local_shards`): each rank inspects
 what it holds and the flag's MAX all-reduce makes the answer global, without a collective per tensor.
 
-The reductions leave nothing behind when they return. Gloo runs every collective, synchronous ones
-included, on one of its worker threads, and that thread keeps the finished work (which holds our buffer) for a moment
+The reductions leave nothing behind when they return. Gloo runs every collective, synchronous ones included, on one
+of its worker threads, and that thread keeps the finished work (which holds our buffer) for a moment
 after the caller's `wait()` has returned. While C++ holds a tensor, torch keeps its Python object alive; whoever drops
 the last C++ reference must take the GIL to release that Python object. If the worker thread drops it while the
 interpreter is finalizing, taking the GIL ends the thread from inside a C++ destructor: `terminate called without an
 active exception`, exit code -6, after training had finished. The engine's reductions are the last collectives of
-every training step, a few milliseconds before a script's end, so `all_reduce_max_` waits until the backend has let go
-of its buffer (usually it already has; otherwise a fraction of a millisecond). tests/test_ddp.py reproduces the abort
-with starved worker threads.
+every training step, and so can be the last of a script: `all_reduce_max_` waits until the backend has let go of its
+buffer (usually it already has).
 """
 from __future__ import annotations
 

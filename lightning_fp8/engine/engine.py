@@ -15,19 +15,20 @@ backward(s) that produced the gradients, then one step of each optimizer. Adapte
 The first `step` of an iteration decides for all its optimizers: unscale every gradient the iteration produced (the
 model's and every registered optimizer's; gradients.py), check them, the loss, the FP8 amaxes and the weights the
 previous step wrote, all on the device, all-reduce the flags once and read them once (checks.py `IterationFlags`: the
-iteration's one device-to-host read), then step or skip; the other optimizers reuse the decision. The iteration closes once, when every
-registered optimizer has stepped or at the next boundary above: loss-scale update, every layer's scaling step closed
-(taken or not), the iteration counted, the weights checked on the device (read at the next decision; read at once
-before a snapshot, which must not replace the last good state with bad weights), a snapshot every `snapshot_every` iterations
-(rollback.py says when its parts are taken). An optimizer stepping after the close with no forward or backward in
-between joins the closed iteration's decision (Fabric's first iteration, before the engine knows every optimizer).
+iteration's one device-to-host read), then step or skip; the other optimizers reuse the decision. The iteration
+closes once, when every registered optimizer has stepped or at the next boundary above: loss-scale update, every
+layer's scaling step closed (taken or not), the iteration counted, the weights checked on the device (read at the
+next decision; read at once before a snapshot, which must not replace the last good state with bad weights), a
+snapshot every `snapshot_every` iterations (rollback.py says when its parts are taken). An optimizer stepping after
+the close with no forward or backward in between joins the closed iteration's decision (Fabric's first iteration,
+before the engine knows every optimizer).
 
 Rollback to the last snapshot happens at the decision for a non-finite loss, a loss spike or too many skips in a row
 (every optimizer of the iteration then skips), when the previous step made the weights non-finite (at this decision,
 so no optimizer steps from them; at the close of a snapshot's iteration; at `settle`, before a checkpoint); too many
-rollbacks in a window raise FP8DivergenceError naming the layers whose amax overflowed. What an iteration is in each
-framework and what a rollback restores: docs/plugin.md. (Length: one state machine, the iteration; the parts that
-stand alone live in gradients.py, checks.py, rollback.py and snapshot.py.)
+rollbacks in a window raise FP8DivergenceError naming the layers whose amax overflowed. A rollback restores the
+model, every registered optimizer and LR scheduler, and the loss scaler (snapshot.py). The parts that stand alone
+live in gradients.py, checks.py, rollback.py and snapshot.py.
 """
 from __future__ import annotations
 

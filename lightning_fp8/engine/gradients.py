@@ -2,9 +2,8 @@
 
 With loss scaling, a backward leaves gradients multiplied by the loss scale S. The engine divides them by S once per
 iteration, at the iteration's decision (or earlier, for clipping), and must never divide a gradient twice: with two
-optimizers, or a clip followed by a step, a second division would shrink that gradient by S (and a scale change
-between the two would make it 2x, the defect issue 12 measured). This object remembers which gradient tensors it
-has unscaled since the last backward.
+optimizers, or a clip followed by a step, a second division would shrink that gradient by S. This object
+remembers which gradient tensors it has unscaled since the last backward.
 
 A gradient can outlive its iteration unscaled: an optimizer that steps every second iteration accumulates its
 gradients over two backwards, and the first iteration's decision unscaled them. Before the next backward adds

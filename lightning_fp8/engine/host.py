@@ -3,9 +3,9 @@
 The engine decides on the host (skip the step or not, roll back or not, which layers overflowed), from values the
 device computed: whether a gradient is inf / NaN, the loss, the open amax slots, whether the weights are finite. Each
 such read waits for the device to finish everything queued before it. Every one of them goes through `to_host`, so
-they can be counted (`count_host_reads`) and their number per iteration is a stated, tested figure (docs/plugin.md,
-"Host synchronisations"; tests/test_cuda_contract.py). Nothing else in the engine, the layers or the kernels may
-read a device value on the host (the same test counts the implicit reads: `.item()`, `bool(t)`, `nonzero`).
+they can be counted (`count_host_reads`); their number per iteration is part of the engine's contract. Nothing else
+in the engine, the layers or the kernels may read a device value on the host, implicitly (`.item()`, `bool(t)`,
+`nonzero`) or otherwise.
 """
 from __future__ import annotations
 

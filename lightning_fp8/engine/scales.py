@@ -8,13 +8,14 @@ the scales, for all layers together:
                                             reads them with the decision's other flags, `scales.keys` names them)
     scales.close_step(taken=...)            after it: the step's amaxes and overflow / clip flags MAX-reduced
                                             across ranks (one collective), the counters (identical on every rank:
-                                            an event on any rank counts on all), and the histories advanced (a taken step) or
-                                            left as they were (a rejected one: it leaves no trace in the scales)
+                                            an event on any rank counts on all), and the histories advanced (a
+                                            taken step) or left as they were (a rejected one: it leaves no trace in
+                                            the scales)
 
 `close_step` stacks every layer's [3, L+1] history into one [layers, 3, L+1] tensor, applies
 `numerics.scaling.step_flags` / `advance_history` to it (the same functions a single layer uses), and writes the
-results back with `torch._foreach_copy_` / `_foreach_add_`: about thirty dispatched ops whatever the number of
-layers (tests/test_overhead.py counts them). The rules are in lightning_fp8/numerics/scaling.py.
+results back with `torch._foreach_copy_` / `_foreach_add_`: a fixed number of dispatched ops, whatever the number of
+layers. The rules are in lightning_fp8/numerics/scaling.py.
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ class ModelScales:
         self._constants: Dict[str, torch.Tensor] = {}
 
     def resync(self) -> None:
-        """Nothing to re-baseline: overflow detection reads the step in progress, not cumulative counters (kept so
-        the engine can call it after loading FP8 state or a rollback)."""
+        """Nothing to re-baseline: overflow detection reads the step in progress, not cumulative counters. The
+        engine calls it after loading FP8 state or a rollback."""
 
     # -- per step -----------------------------------------------------------------------------------------------
     @torch.no_grad()

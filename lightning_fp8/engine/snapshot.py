@@ -1,4 +1,4 @@
-"""Rollback snapshots: the last known-good training state in host memory, cheap enough to take every 50 iterations.
+"""Rollback snapshots: the last known-good training state in host memory, cheap enough to take often (`snapshot_every`).
 
 What a snapshot holds (everything an iteration can change): every parameter and persistent buffer of the model (the
 FP8 metadata included: its buffers are persistent in `FP8LinearMeta`, only the layer's state_dict leaves them out),
@@ -6,7 +6,7 @@ the state and hyperparameters (learning rate included) of every optimizer, the s
 engine's own extra state (the loss scaler). Restoring copies the values back into the live tensors in place, so
 optimizer references to Parameters, weight tying and sharded (DTensor) parameters stay as they are.
 
-Why it is cheap (issue 12, item 8; measured in benchmarks/results/snapshot_cost.md):
+Why it is cheap:
 - host memory is one flat buffer per dtype (`HostBufferPlan`: every tensor of that dtype a view at a 64-byte aligned
   offset), allocated at the first snapshot and reused by every later one that holds the same tensors; a snapshot
   whose tensors changed (optimizer state created after the first one, an optimizer joining) allocates again;
@@ -23,19 +23,18 @@ Why it is cheap (issue 12, item 8; measured in benchmarks/results/snapshot_cost.
   (`local_snapshot_ranks`), are compared with the node's available host memory (psutil), and a
   `SnapshotMemoryError` names them and what to do instead of letting the processes be killed.
 
-Why the buffers are pinned by registration and not with `pin_memory=True` (issue 22, defect 9): the copies can only
-overlap the training step from page-locked ("pinned") host memory, and torch's pinned allocator (the caching host
-allocator behind `pin_memory=True`, as read in the C++ headers the torch 2.13 wheel ships) rounds every request up to
-the next power of two and page-locks the whole rounded block (with cudaHostAlloc, or cudaHostRegister of the rounded
-size); it never splits a block, and only requests above the allocator settings `pinned_max_round_threshold_mb` /
-`pinned_max_cached_size_mb` (unlimited by default) keep their size. A pinned buffer per tensor cost LLaMA-7B's AdamW
-state 99.0 GiB for 75.3 GiB of state on every rank; one flat buffer through that allocator would cost 128 GiB. So each
-flat buffer is allocated by torch's ordinary host allocator, which takes the bytes asked for, and page-locked in place
-with `cudaHostRegister` (through `torch.cuda.cudart()`; torch's own asynchronous checkpoint stager pins its host
-copies the same way): the pinned bytes are the buffer's bytes, in whole pages. Such a buffer is outside the caching
-allocator, which therefore does not keep it alive for copies still in flight: the snapshot keeps the last event of
-every device stream that copies to or from it, and waits for them before it unpins and frees a buffer (only when its
-tensors changed, or the snapshot is dropped).
+Why the buffers are pinned by registration and not with `pin_memory=True`: the copies can only overlap the training
+step from page-locked ("pinned") host memory, and torch's pinned allocator (the caching host allocator behind
+`pin_memory=True`) rounds every request up to the next power of two and page-locks the whole rounded block (with
+cudaHostAlloc, or cudaHostRegister of the rounded size); it never splits a block, and only requests above the
+allocator settings `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb` (unlimited by default) keep their
+size. Through it, a snapshot could lock up to twice the bytes of the state it holds, per tensor or as one flat
+buffer. So each flat buffer is allocated by torch's ordinary host allocator, which takes the bytes asked for, and
+page-locked in place with `cudaHostRegister` (through `torch.cuda.cudart()`; torch's own asynchronous checkpoint
+stager pins its host copies the same way): the pinned bytes are the buffer's bytes, in whole pages. Such a buffer
+is outside the caching allocator, which therefore does not keep it alive for copies still in flight: the snapshot
+keeps the last event of every device stream that copies to or from it, and waits for them before it unpins and frees
+a buffer (only when its tensors changed, or the snapshot is dropped).
 
 On CPU there is nothing to overlap with and nothing to pin: each tensor is copied synchronously (a memcpy) into its
 view of the reused buffer while the engine waits, so a snapshot costs one pass over the state and no allocation
@@ -476,8 +475,8 @@ def check_host_memory(new_bytes: int, total_bytes: int, ranks: Optional[LocalRan
     `HostBufferPlan.host_bytes`). Each of `ranks` (default: `local_snapshot_ranks`) takes a snapshot of about the same
     size at the same iteration, out of the same node-wide memory, so the node needs `new_bytes` times their count.
     The ranks reach that iteration together (within the skew of the step's collectives) and each reads the available
-    memory before allocating, so each sees the node before the others' buffers (seconds to fill and pin) take it; a
-    rank far behind the others would count their buffers twice and refuse."""
+    memory before allocating, so each sees the node before the others' buffers (which take a while to fill and pin)
+    take it; a rank far behind the others would count their buffers twice and refuse."""
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil comes with lightning

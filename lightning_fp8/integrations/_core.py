@@ -77,12 +77,12 @@ class FP8PrecisionCore:
     ) -> None:
         """FP8 training of an unchanged model: its linear layers compute in FP8, the engine keeps the run stable.
 
-        Invalid values raise ValueError here, naming the valid choices (docs/plugin.md, "Arguments").
+        Invalid values raise ValueError here, naming the valid choices.
 
         Args:
             recipe: an FP8Recipe (formats, scaling, which layers); "auto" (the recipe for the device's compute
                 capability: mxfp8 on Blackwell, the per-tensor default elsewhere; logged in the conversion summary
-                and kept in checkpoints; docs/plugin.md); or None: the preset's. At most one of recipe and preset.
+                and kept in checkpoints); or None: the preset's. At most one of recipe and preset.
             preset: a named recipe: "default", "conservative", "mellempudi" (see lightning_fp8.presets).
             module_filter: callable(module, fqn) -> bool replacing the recipe's default layer filter.
             loss_scaling: "auto" (dynamic only where gradients can underflow), "dynamic", "none", or a static float
@@ -113,19 +113,19 @@ class FP8PrecisionCore:
                 2), each rank casting its shard with the scale all ranks share; applies to layers with a per-tensor
                 recipe (delayed or current scaling), others gather in high precision. The plugins convert the model
                 before the user's fully_shard (a model built inside configure_model: call
-                `precision.convert_for_fsdp(module)` there first; docs/distributed.md). No effect without FSDP2.
+                `precision.convert_for_fsdp(module)` there first). No effect without FSDP2.
             gradient_communication: "bf16" leaves gradient reduction to the framework, in high precision (DDP reduces
                 in the gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in
                 FP8 with a scale shared across ranks (a DDP comm hook, or FSDP2's reduce-scatter): half the bytes of
                 a BF16 reduction.
             backend: who computes the FP8 layers: "lightning_fp8" (this library's FP8 layers) or
                 "transformer_engine" (NVIDIA Transformer Engine's te.Linear under te.autocast, with the same recipe;
-                loss scaling, skip and rollback stay the engine's; per-layer features cannot see inside TE layers:
-                docs/plugin.md, "Transformer Engine backend"). Not FP8Recipe.backend, the GEMM implementation of
+                loss scaling, skip and rollback stay the engine's; FP8ScaleMonitor, FP8LayerFallback, FP8Calibration
+                and FP8 all-gather cannot see inside TE layers). Not FP8Recipe.backend, the GEMM implementation of
                 FP8Linear.
 
         Attributes `skipped_steps`, `rollbacks` and `loss_scale` count in iterations: one backward (or several,
-        accumulated) and a step of every optimizer (docs/plugin.md, "Iterations").
+        accumulated) and a step of every optimizer.
         """
         arguments = locals()
         self.options = FP8Options(**{name: arguments[name] for name in OPTION_NAMES})
@@ -220,7 +220,7 @@ class FP8PrecisionCore:
     def convert_for_fsdp(self, module: nn.Module) -> nn.Module:
         """Convert `module` for FSDP2 sharding: call it BEFORE `fully_shard` (in a LightningModule's configure_model, in
         Fabric's parallelize function). It converts as `convert_module` does and, with fp8_all_gather=True, makes
-        FSDP2 all-gather the FP8 layers' weights in FP8 (docs/distributed.md). FSDP2 fixes the modules it shards,
+        FSDP2 all-gather the FP8 layers' weights in FP8. FSDP2 fixes the modules it shards,
         so a model sharded unconverted cannot be converted afterwards."""
         return convert_for_fsdp(self, module)
 
@@ -294,7 +294,7 @@ class FP8PrecisionCore:
             self.recipe_choice = RecipeChoice(FP8Recipe.from_dict(saved_auto["recipe"]), saved_auto["device"],
                                               saved_auto["reason"])
         # each layer's recipe first: adopting it resizes the amax history to the saved length, which the saved
-        # history then fills (the other order cut the saved history to this run's length, then padded it with zeros)
+        # history then fills (in the other order the saved history would be cut to this run's length)
         if self._module is not None and state_dict.get("layer_recipes"):
             load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         meta = state_dict.get("fp8_meta")
@@ -358,7 +358,7 @@ def exclude_fp8_meta_from_ddp_broadcast(module: nn.Module) -> None:
     wrong twice over: it overwrites each rank's overflow counters (the engine would see an overflow of rank 0 again
     on the other ranks a step later and skip a clean step), and under gradient accumulation it discards the amaxes
     the other ranks recorded in earlier micro-batches. The engine already keeps these buffers in agreement (an amax
-    all-reduce per optimizer step), so DDP must leave them alone. Call before the module is wrapped.
+    all-reduce per iteration), so DDP must leave them alone. Call before the module is wrapped.
     """
     from torch.nn.parallel import DistributedDataParallel
 

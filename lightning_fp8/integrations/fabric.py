@@ -14,12 +14,12 @@ boundaries, or at `fabric.save` (`state_dict`). Fabric never hands the plugin it
 engine meets each optimizer at its first step (then it joins the rollback snapshot with the state it had before that
 step), and LR schedulers must be registered (`plugin.register_lr_scheduler(scheduler)`) to roll back with them.
 
-Distributed training (docs/distributed.md): with ModelParallelStrategy (FSDP2) the plugin converts the model with FP8
-all-gather weights before your parallelize function runs (see `_convert_before_parallelize`); resume a
-sharded checkpoint with `lightning_fp8.fabric.load_checkpoint(fabric, path, state)`: `fabric.load` hands a sharded
-checkpoint's plugin state back as a plain dict instead of loading it. With DDP and gradient_communication="fp8",
-call `precision.setup_gradient_communication(model)` after `fabric.setup`: Fabric never shows a precision plugin its
-DDP wrapper.
+Distributed training: with ModelParallelStrategy (FSDP2) the plugin converts the model with FP8 all-gather weights
+before your parallelize function runs (see `_convert_before_parallelize`); resume a sharded checkpoint with
+`lightning_fp8.fabric.load_checkpoint(fabric, path, state)`: `fabric.load` hands a sharded checkpoint's plugin state
+back as a plain dict instead of loading it. With DDP and gradient_communication="fp8", call
+`precision.setup_gradient_communication(model)` after `fabric.setup`: Fabric never shows a precision plugin its DDP
+wrapper.
 """
 from __future__ import annotations
 

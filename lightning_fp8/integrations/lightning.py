@@ -27,12 +27,12 @@ class FP8Precision(Precision, FabricFP8Precision):
 
     The arguments are those of `FP8PrecisionCore.__init__` (recipe, preset, module_filter, loss_scaling and the
     stability knobs, optimizer_state, compute_dtype, fp8_eval, layer_recipes, fp8_all_gather, gradient_communication,
-    backend; docs/plugin.md, "Arguments"); optimizer_state="fp8" is supported here (the plugin swaps Adam / AdamW for
-    FP8AdamW when Lightning connects the optimizers).
+    backend); optimizer_state="fp8" is supported here (the plugin swaps Adam / AdamW for FP8AdamW when Lightning
+    connects the optimizers).
 
     Attributes `skipped_steps`, `rollbacks` and `loss_scale` are logged as fp8/* metrics and saved in checkpoints.
     Counts are in iterations: one backward (or several, accumulated) and a step of every optimizer, whatever their
-    number (docs/plugin.md, "Iterations"); a rollback restores the model, every optimizer and every LR scheduler.
+    number; a rollback restores the model, every optimizer and every LR scheduler.
 
     Method resolution: FP8Precision, Lightning's Precision, the Fabric FP8Precision, FP8PrecisionCore, Fabric's
     Precision. Lightning's Precision comes before the Fabric plugin, so every Lightning hook the Fabric plugin also
@@ -83,8 +83,10 @@ class FP8Precision(Precision, FabricFP8Precision):
                 call._call_lightning_module_hook = original
 
     def _before_configure_model(self, trainer: Any) -> None:
-        """Under ModelParallelStrategy with data parallelism only (FSDP2; tensor parallelism with FP8 layers is not
-        supported), convert the LightningModule's layers with FP8 all-gather weights before the user's fully_shard."""
+        """Under ModelParallelStrategy with data parallelism only (FSDP2), convert the LightningModule's layers with
+        FP8 all-gather weights before the user's fully_shard. With a tensor-parallel dimension nothing is converted
+        here: configure_model converts itself where it must (`convert_for_fsdp` before a fully_shard), otherwise the
+        strategy's conversion after configure_model does."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = trainer.strategy
@@ -106,7 +108,7 @@ class FP8Precision(Precision, FabricFP8Precision):
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
         # Lightning runs every training_step inside this context, and manual optimization steps its optimizers
-        # inside training_step: the iteration ends with the context at the latest (see docs/plugin.md)
+        # inside training_step: the iteration ends with the context at the latest
         if self.engine.begin_iteration():  # an optimizer stepped after the previous training_step returned
             self._log_counters(self._module)
         with self._fp8_context(True):

@@ -1,17 +1,8 @@
-"""The precision dashboard: one self-contained HTML file that tells the story of a run, from its
-`fp8_history.jsonl` and its logger output.
+"""The precision dashboard: one self-contained HTML file (inline SVG, no JavaScript, nothing fetched over the network)
+from a run's `fp8_history.jsonl` and its logger output.
 
-    from lightning_fp8.report import write_report
     path = write_report("lightning_logs/version_0")          # -> lightning_logs/version_0/fp8_report.html
-
     $ lightning-fp8 report lightning_logs/version_0 [-o report.html]
-
-The page (lightning_fp8/report/page.py) shows what needs attention, the training context (loss, loss scale, step
-time, throughput, read from the loggers' files by lightning_fp8/report/training_log.py), FP8 health maps coloured
-against FP8LayerFallback's thresholds (lightning_fp8/report/health.py), the events at their exact steps, the
-precision map, and per layer the scale, amax, range ratio and SQNR over time. Charts are inline SVG generated in
-Python: no JavaScript, no CDN, nothing fetched over the network, so the file opens anywhere, offline, and can be
-attached to an issue or archived with the run. The history format is documented in `lightning_fp8.report.history`.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def training_charts(history: RunHistory, log: TrainingLog, x_range, ov: Overlay)
     charts.append(line_chart(times, "Step time (s)", x_range, overlay=ov, chart_id="step_time",
                              empty_note="no step time recorded"))
 
-    rates = []  # tokens/s when the run counts them, samples/s otherwise (one scale: the two differ by 1000x)
+    rates = []  # tokens/s when the run counts them, else samples/s (one y axis: they differ by the sequence length)
     if log.tokens_per_s():
         rates.append(("tokens/s", "#1d4ed8", mapped(log.tokens_per_s())))
     elif log.samples_per_s():

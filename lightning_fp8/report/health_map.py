@@ -7,8 +7,8 @@ between two samples shows at its step, layer and role. A layer's state changes a
 while it runs in BF16, a violet outline after an escalation to a finer scaling (labelled with it), a diamond at each
 change. Consecutive cells of the same healthy level (ok, tolerated, information only) are one rectangle (its tooltip
 gives the steps and the worst value). For a large run (more than `COARSE_CELLS` cells in a map) consecutive healthy
-cells of any healthy level merge, the span coloured by its worst level, so a model with hundreds of layers stays a
-page of a few MB; every cell at or beyond "near" always keeps its own rectangle and tooltip.
+cells of any healthy level merge, the span coloured by its worst level, so the page of a model with hundreds of
+layers stays small; every cell at or beyond "near" always keeps its own rectangle and tooltip.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ LEVEL_COLOURS = {
 }
 #: healthy levels: consecutive cells of these merge into one rectangle coloured by the run's worst level
 MERGED = ("ok", "info", "tolerated")
-#: cells per map above which healthy runs of different levels merge (224 layers x 100 samples x 3 roles: 67200)
+#: cells per map (layers x samples x 3 roles) above which healthy runs of different levels merge
 COARSE_CELLS = 20_000
 STRIPE, ROW_GAP = 6, 4
 ROLE_SHORT = {"input": "in", "weight": "wt", "grad_output": "gr"}

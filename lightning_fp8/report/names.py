@@ -1,9 +1,9 @@
 """Short layer names for the report (the full name stays on hover).
 
 Hugging Face and Lightning names repeat long prefixes (`model.model.layers.17.self_attn.q_proj`). The short name
-drops the dotted prefix every layer shares (but never down to a bare index), then everything before the container of the first block index
-(`layers.17.self_attn.q_proj`), then, if still longer than `max_len`, the middle. Names that would collide keep
-their longer form.
+drops the dotted prefix every layer shares (but never down to a bare index), then everything before the container
+of the first block index (`layers.17.self_attn.q_proj`), then, if still longer than `max_len`, the middle. Names
+that would collide keep their longer form.
 """
 from __future__ import annotations
 

@@ -22,10 +22,7 @@ When mixed precision does not resolve to "fp8" the class is `accelerate.Accelera
 
 `accelerate launch --mixed_precision fp8` itself refuses to start when none of Accelerate's FP8 backends is
 installed (the launcher checks before it runs the script). `python -m lightning_fp8.accelerate launch ...` is
-`accelerate launch` with that one check satisfied by this engine; see docs/accelerate.md.
-
-(Length: one class overriding each Accelerate hook that FP8 changes, listed above, each a few lines of translation;
-the rest of the adapter lives beside it in this package: kwargs, forward wrapping, optimizer, checkpoint, launcher.)
+`accelerate launch` with that one check satisfied by this engine (launch.py).
 """
 from __future__ import annotations
 

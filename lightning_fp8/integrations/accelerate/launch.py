@@ -9,8 +9,9 @@ Two additions to `accelerate launch`, nothing else changes (same flags, config f
   builds, transformers' `Trainer`'s included, is an FP8Accelerator (a subclass of it: an `FP8<Subclass>`). Then the
   script runs as `accelerate launch` would run it (`__main__`, same argv and sys.path).
 
-Why plain `accelerate launch --mixed_precision fp8` cannot do this: docs/accelerate.md ("Why not plain `accelerate
-launch`").
+Why plain `accelerate launch --mixed_precision fp8` cannot do this: its launcher refuses fp8 in the launching
+process, before any of this package's code runs, and `accelerate.Accelerator` dispatches fp8 to a closed set of
+backends matched by exact class; neither step offers an entry point to another package.
 """
 from __future__ import annotations
 
