@@ -136,6 +136,10 @@ def main() -> None:
         note = f" (mean of {row['seeds']} seeds, spread ≤ {max(spread.values()):.2f} dB)" if spread else ""
         lines.append(f"| {name}{note} | {row['output']:.2f} dB | {row['dgrad']:.2f} dB | {row['wgrad']:.2f} dB | "
                      f"{outlier[name]['wgrad_other_channels']:.2f} dB |")
+    lines += ["", "Rows marked with seeds round gradients stochastically: each layer draws from its own Philox stream (seeded "
+              "from torch's generator under `torch.manual_seed(seed)`), so they are a mean over seeds, and two runs of "
+              "different code that draws other numbers compare within the spread, not digit for digit. The other rows "
+              "are deterministic."]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

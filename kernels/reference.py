@@ -153,3 +153,75 @@ def tiled_cast_reference(
         slot = history[role, 0]
         slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
     return q, s, q_t, s_t
+
+
+def microscaled_cast_reference(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    role: int,
+    scaling: str,
+    fmt: FP8Format,
+    tile: Sequence[int],
+    tile_t: Sequence[int],
+    hadamard_t: bool,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    noise_t: Optional[torch.Tensor] = None,
+    rng_state: Optional[torch.Tensor] = None,
+    record: bool = True,
+):
+    """The twin of the fused microscaled casts (kernels/triton_microscaled.py), composed of `numerics.microscaling`:
+    ((x_q, grid scales, tensor scale or None), (x^T_q, ...)) for the layouts asked for (an empty tile: (None, None,
+    None)); x^T Hadamard-transformed along the tokens first where `hadamard_t` (NVFP4). NVFP4's stochastic rounding:
+    `noise` / `noise_t` (uniform [0, 1) in each layout's unpacked shape), or draws from the Philox stream of
+    `rng_state` (int64 [seed, offset]: `philox_uniform(seed, offset + i)` for the i-th element of the cast, row layout
+    first, row-major; the offset then advanced in place by the number of draws). MXFP8 rounds to nearest even. (record)
+    x's amax is max-accumulated into history[role, 0], NaN / inf kept raw."""
+    from lightning_fp8.numerics import microscaling
+
+    sources = []
+    if len(tile):
+        sources.append((x, tile, noise))
+    else:
+        sources.append(None)
+    if len(tile_t):
+        source_t = microscaling.hadamard_transform(x.t()) if (hadamard_t and scaling == "nvfp4") else x.t()
+        sources.append((source_t, tile_t, noise_t))
+    else:
+        sources.append(None)
+    if scaling == "nvfp4" and rng_state is not None and noise is None and noise_t is None:
+        offset = rng_state[1]
+        start = 0
+        drawn = []
+        for entry in sources:
+            if entry is None:
+                drawn.append(entry)
+                continue
+            source, layout_tile, _ = entry
+            rows, cols = source.shape
+            offsets = offset + start + torch.arange(rows * cols, dtype=torch.int64, device=x.device).view(rows, cols)
+            drawn.append((source, layout_tile, microscaling.philox_uniform(rng_state[0], offsets)))
+            start += rows * cols
+        sources = drawn
+        rng_state[1].add_(start)  # the stream's next draws start after this cast's
+    casts = []
+    amax = None
+    for entry in sources:
+        if entry is None:
+            casts.append((None, None, None))
+            continue
+        source, layout_tile, layout_noise = entry
+        if scaling == "mxfp8":
+            q, s, layout_amax = microscaling.quantize_mx(source, layout_tile, fmt)
+            g = None
+        else:
+            q, s, g, layout_amax = microscaling.quantize_nvfp4(source, layout_tile, layout_noise)
+        casts.append((q.contiguous(), s.contiguous(), g))
+        if amax is None and (source is x or not hadamard_t or scaling != "nvfp4"):
+            amax = layout_amax  # x's amax (the transposed layout's equals it unless transformed)
+    if record:
+        if amax is None:  # only x^T was cast, and transformed: the amax of x itself
+            amax = fast_amax(x)
+        slot = history[role, 0]
+        slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
+    return casts[0], casts[1]

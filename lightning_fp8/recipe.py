@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_fp8.numerics.formats import E2M1, E4M3, E5M2, FP8Format
+from lightning_fp8.numerics.formats import E2M1, E4M3, E5M2, FP8Format, missing_torch_feature
 from lightning_fp8.numerics.quantize import ROUNDING_MODES
 
 #: tensor roles of a linear layer; each has its own scaling state
@@ -26,14 +26,28 @@ FINE_GRAINED_SCALINGS = ("rowwise", "blockwise") + MICROSCALING_SCALINGS
 SCALING_ORDER = {"nvfp4": -1, "delayed": 0, "current": 0, "rowwise": 1, "blockwise": 2, "mxfp8": 3}
 #: the weight-gradient GEMM: on the recipe's quantized operands, or in the compute dtype (BF16) from the saved input
 WEIGHT_GRAD_CHOICES = ("quantized", "high_precision")
-#: formats each microscaling recipe takes (the first is its default)
-_MICROSCALING_FORMATS = {"mxfp8": ("e4m3", "hybrid"), "nvfp4": ("e2m1",)}
+#: formats each microscaling recipe takes (the first is its default). mxfp8 takes E4M3 only: torch's MX GEMM
+#: (`F.scaled_mm` with BlockWise1x32) takes E4M3 operands, so "hybrid" (E5M2 gradients) ran every gradient GEMM
+#: emulated; TE's MXFP8 recipe with E5M2 gradients has no torch GEMM to run on.
+_MICROSCALING_FORMATS = {"mxfp8": ("e4m3",), "nvfp4": ("e2m1",)}
+#: why a microscaling recipe refuses some formats, added to the refusal
+_MICROSCALING_FORMAT_WHY = {
+    "mxfp8": "torch's MX GEMM takes E4M3 operands only, so E5M2 gradients would run every gradient GEMM emulated",
+}
+#: the torch feature (numerics/formats.py TORCH_FEATURES: the torch release that added it) a scaling cannot run
+#: without, on any device; the rest of the GPU paths' needs (`F.scaled_mm`, torch 2.10) emulate when missing
+SCALING_NEEDS_TORCH = {"mxfp8": "float8_e8m0fnu", "nvfp4": "float4_e2m1fn_x2"}
 #: recipe.keep_last_blocks_in_bf16 when not given: torchtitan's NVFP4 recipe keeps the last ~15% of the blocks in BF16
 NVFP4_BF16_TAIL = 0.15
 AMAX_ALGO_CHOICES = ("max", "most_recent")
 BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
 BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward",
                   "allow_emulation")
+
+
+class TorchTooOldError(RuntimeError):
+    """A recipe that the installed torch cannot run: the message names the torch release it needs
+    (numerics/formats.py TORCH_FEATURES)."""
 
 
 def _check_choice(field_name: str, value: Any, choices: Tuple[str, ...]) -> None:
@@ -90,11 +104,15 @@ class FP8Recipe:
         it applies to.
 
     The microscaling scalings (lightning_fp8/numerics/microscaling.py): "mxfp8" (1 x 32 blocks along the contraction
-    dimension of every operand, E8M0 power-of-two scales rounded up so no block saturates, E4M3 data; format "e4m3"
-    or "hybrid") and "nvfp4" (FP4 E2M1 data, 16-element blocks with E4M3 scales and a float32 tensor scale, 16 x 16
-    weight blocks, stochastic rounding of the gradients (rounding="stochastic" by default), random Hadamard transform
-    on the weight-gradient GEMM; format "e2m1"). They ignore block_size, margin and power_of_2_scales: their scale
-    rules are fixed by the hardware formats.
+    dimension of every operand, E8M0 power-of-two scales rounded up so no block saturates, E4M3 data; format "e4m3":
+    torch's MX GEMM takes no E5M2, so "hybrid" is refused) and "nvfp4" (FP4 E2M1 data, 16-element blocks with E4M3
+    scales and a float32 tensor scale, 16 x 16 weight blocks, stochastic rounding of the gradients
+    (rounding="stochastic" by default), random Hadamard transform on the weight-gradient GEMM; format "e2m1"). They
+    ignore block_size, margin and power_of_2_scales: their scale rules are fixed by the hardware formats. They need a
+    newer torch than the rest (numerics/formats.py TORCH_FEATURES): "mxfp8" torch >= 2.7 (float8_e8m0fnu), "nvfp4"
+    torch >= 2.8 (float4_e2m1fn_x2); on an older torch they raise TorchTooOldError naming the release. Their GPU GEMMs
+    (and blockwise's) need torch >= 2.10 (`torch.nn.functional.scaled_mm`); on an older torch they run emulated on the
+    GPU after one warning, as on a CPU.
     """
 
     format: Optional[str] = None
@@ -122,6 +140,7 @@ class FP8Recipe:
             object.__setattr__(self, "format", default)
         _check_choice("format", self.format, FORMAT_CHOICES)
         self._check_microscaling()
+        self._check_torch()
         if self.rounding is None:
             object.__setattr__(self, "rounding", "stochastic" if self.scaling == "nvfp4" else "nearest")
         _check_choice("weight_grad", self.weight_grad, WEIGHT_GRAD_CHOICES)
@@ -163,8 +182,10 @@ class FP8Recipe:
     def _check_microscaling(self) -> None:
         formats = _MICROSCALING_FORMATS.get(self.scaling)
         if formats is not None and self.format not in formats:
+            why = _MICROSCALING_FORMAT_WHY.get(self.scaling)
             raise ValueError(f"FP8Recipe(scaling={self.scaling!r}) takes format in {list(formats)}, got "
-                             f"format={self.format!r}")
+                             f"format={self.format!r}" + (f" ({why})" if why else "") + f"; valid choices: format in "
+                             f"{list(formats)} (or None, the scaling's default {formats[0]!r})")
         if self.format == "e2m1" and self.scaling != "nvfp4":
             raise ValueError("FP8Recipe(format='e2m1') is FP4: it goes with scaling='nvfp4' only; valid formats for "
                              f"scaling={self.scaling!r}: ['hybrid', 'e4m3', 'e5m2']")
@@ -175,6 +196,13 @@ class FP8Recipe:
         if self.random_hadamard and self.scaling != "nvfp4":
             raise ValueError(f"FP8Recipe(random_hadamard=True) applies to scaling='nvfp4' only, not "
                              f"scaling={self.scaling!r}; valid choices: random_hadamard in [None, False]")
+
+    def _check_torch(self) -> None:
+        """Refuse a scaling the installed torch cannot represent (SCALING_NEEDS_TORCH), naming the torch it needs."""
+        feature = SCALING_NEEDS_TORCH.get(self.scaling)
+        missing = missing_torch_feature(feature) if feature else None
+        if missing:
+            raise TorchTooOldError(missing)
 
     @property
     def fine_grained(self) -> bool:

@@ -99,3 +99,29 @@ def te_stand_in(monkeypatch):
                       ("transformer_engine.common", te_common), ("transformer_engine.common.recipe", te_recipe)):
         monkeypatch.setitem(sys.modules, name, mod)
     return types.SimpleNamespace(Linear=Linear, Format=Format, calls=calls, state=state)
+
+
+@pytest.fixture
+def auto_prefers_candidates(monkeypatch):
+    """A roofline model that prices per-tensor scaling's step double, so that recipe="auto" takes the architecture's
+    candidate (sm100: mxfp8). The real model predicts mxfp8 a hair slower than per-tensor scaling on B200 (and auto
+    then keeps per-tensor scaling, tests/test_roofline.py); tests of what happens *after* auto chose another recipe
+    (the summary, checkpoints, a resume on another GPU, a backend that cannot express it) use this one."""
+    import dataclasses
+
+    from lightning_fp8 import presets
+    from lightning_fp8.conversion import roofline
+    from lightning_fp8.recipe import FP8Recipe
+
+    real_predict = roofline.predict
+
+    def predict_reference_slower(shape, recipe, spec, launches=None, compiled=False):
+        p = real_predict(shape, recipe, spec, launches, compiled)
+        return dataclasses.replace(p, fp8_s=p.fp8_s * 2) if recipe == FP8Recipe() else p
+
+    monkeypatch.setattr(roofline, "predict", predict_reference_slower)
+    presets._decide.cache_clear()
+    presets._modelled.cache_clear()
+    yield
+    presets._decide.cache_clear()
+    presets._modelled.cache_clear()

@@ -219,6 +219,13 @@ def test_fp4_rounding_every_magnitude_and_tie():
     assert torch.equal(common._f32_to_floatx_unpacked(values, 2, 1), codes)
 
 
+def test_fp4_nan_rounds_to_code_zero_on_both_paths():
+    """FP4 has no NaN (the block scale carries it) and a NaN's sign differs between devices: the code is 0."""
+    v = torch.tensor([math.nan, -math.nan, 1.0, -0.0])
+    for noise in (None, torch.full((4,), 0.5)):
+        assert mx.fp4_codes(v, noise).tolist() == [0, 0, 2, 8]
+
+
 def test_fp4_packing_matches_torch_layout():
     common = torch_reference()
     codes = torch.randint(0, 16, (6, 34), dtype=torch.uint8)
@@ -274,6 +281,9 @@ def test_nvfp4_nonfinite_tensor_decodes_to_nan_everywhere():
 def test_random_hadamard_transform_is_orthogonal_seeded_and_leaves_the_weight_gradient_alone():
     h = mx.hadamard_matrix()
     assert torch.equal(h, mx.hadamard_matrix())  # the fixed seed: the same transform in every process
+    draws = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(mx.HADAMARD_SEED))
+    assert mx.HADAMARD_SIGNS == tuple(int(v) * 2 - 1 for v in draws.tolist())  # the constant is the seed's draw
+    assert mx.hadamard_sign_mask() == sum(1 << t for t, v in enumerate(mx.HADAMARD_SIGNS) if v < 0)
     assert torch.allclose(h.double() @ h.double().t(), torch.eye(16, dtype=torch.float64), atol=1e-6)
     assert set(h.abs().flatten().tolist()) == {0.25} and (h < 0).any()
     assert not torch.equal(h, mx.hadamard_matrix(seed=1))
@@ -286,6 +296,35 @@ def test_random_hadamard_transform_is_orthogonal_seeded_and_leaves_the_weight_gr
     spike = torch.zeros(1, 16)
     spike[0, 5] = 16.0
     assert torch.allclose(mx.hadamard_transform(spike).abs(), torch.full((1, 16), 4.0))
+
+
+def test_hadamard_transform_is_the_documented_float32_order_bit_for_bit():
+    """The transform's float32 arithmetic is fixed (module docstring: signs, butterflies on pairs 1, 2, 4, 8 apart,
+    times 1/4), so the fused kernel and this definition give the same bits: checked against numpy float32, element by
+    element, on data with a wide exponent range (where another summation order rounds differently), ragged tokens."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 37, generator=g) * torch.exp2(torch.randint(-12, 12, (5, 37), generator=g).float())
+    got = mx.hadamard_transform(x)
+    signs = np.array(mx.hadamard_signs(), dtype=np.float32)
+    want = np.zeros((5, 48), dtype=np.float32)
+    want[:, :37] = x.numpy()
+    for r in range(5):
+        for b in range(3):
+            y = want[r, 16 * b:16 * b + 16] * signs
+            h = 1
+            while h < 16:
+                out = y.copy()
+                for i in range(16):
+                    if not i & h:
+                        out[i], out[i + h] = y[i] + y[i + h], y[i] - y[i + h]
+                y, h = out, 2 * h
+            want[r, 16 * b:16 * b + 16] = y * np.float32(0.25)
+    assert torch.equal(got, torch.from_numpy(want))
+    exact = torch.nn.functional.pad(x, (0, 11)).double().view(-1, 16) @ mx.hadamard_matrix().double()
+    assert not torch.equal(got.double(), exact.view(5, 48).float().double())  # the order matters at this spread
+    assert torch.allclose(got.double(), exact.view(5, 48), rtol=1e-6, atol=1e-6 * float(x.abs().max()))
 
 
 # -- the scale layout of the native GEMMs ----------------------------------------------------------------------------

@@ -645,8 +645,8 @@ def test_triton_kernel_steps_on_the_parameters_device_not_the_current_one():
 def test_triton_step_launches_once_per_param_group_and_device():
     """The launches of one FP8AdamW(backend="triton") step on a simulated sm90, meta tensors (kernels/trace.py). It
     launched the kernel once per parameter; now once per (param group, device) whatever the number of parameters,
-    each launch preceded by one host-side increment of the CPU step counters and one copy of the per-tensor table
-    to the device. Parameters the kernel does not cover (1-D: float32 state) take the reference's operators."""
+    each launch preceded by one copy of the per-tensor table to the device; the increment of the CPU step counters
+    runs on the host (the recorder keeps it in `host_ops`, not in the launches). Parameters the kernel does not cover (1-D: float32 state) take the reference's operators."""
     from lightning_fp8.kernels.device import simulate_cuda
     from lightning_fp8.kernels.trace import record_launches
 
@@ -664,8 +664,11 @@ def test_triton_step_launches_once_per_param_group_and_device():
                                                                        "_record_function_exit")]
     assert names.count("fp8_adamw") == 2, names
     first = names.index("fp8_adamw")
-    assert names[first - 2:] == ["_foreach_add_", "_to_copy", "fp8_adamw"] * 2, names  # group 1's tail, group 2
-    assert "fp8_adamw" not in names[:first - 2] and "lerp_" in names[:first - 2]  # the bias: the reference, first
+    assert names[first - 1:] == ["_to_copy", "fp8_adamw"] * 2, names  # group 1's tail, group 2
+    assert [launch.host_to_device for launch in launches if launch.name == "_to_copy"][-2:] == [True, True]
+    # the step counters on the host: the bias's (the reference step), then once per group
+    assert [op.name for op in launches.host_ops] == ["add_"] + ["_foreach_add_"] * 2
+    assert "fp8_adamw" not in names[:first - 1] and "lerp_" in names[:first - 1]  # the bias: the reference, first
     table_read = next(launch for launch in launches if launch.name == "fp8_adamw").bytes_read
     assert table_read == sum(4 * p.numel() * 2 + p.numel() * 3 for p in big) + sum(
         opt.state[p][k].numel() * 4 for p in big for k in ("exp_avg_scale_inv", "exp_avg_sq_scale_inv")) + 10 * 3 * 8

@@ -5,6 +5,8 @@ ones the layer launches (the launch budgets' instrument), each GEMM at its opera
 the ceilings that follow from the stated peaks, and that the filter acts on the prediction with the reason."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -134,3 +136,73 @@ def test_the_filter_works_inside_a_simulation_of_the_same_gpu_and_says_why_not_i
         fp8_launches.cache_clear()
         with pytest.raises(RuntimeError, match="inside a simulation of"):
             fp8_launches(shape, FP8Recipe(), (10, 0))
+
+
+# -- recipe="auto" consults the model ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "no_triton"])
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0), (12, 1)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_auto_recipe_picks_nothing_the_model_predicts_slower_than_per_tensor_scaling(capability, triton):
+    """recipe="auto" on a simulated Blackwell (sm100 / sm103, sm120 / sm121) with and without the Triton casts: the
+    recipe it picks is predicted by the roofline model (on the family's GPU, at presets.REFERENCE_SHAPE) no slower
+    than per-tensor delayed scaling, and, with the Triton casts a GPU machine runs, faster than BF16; the reason names
+    the model's figures (each candidate's and per-tensor's speedup, the shape, the GPU)."""
+    from lightning_fp8.conversion.shape_filter import spec_for_capability
+    from lightning_fp8.kernels.device import simulate_cuda
+    from lightning_fp8.presets import REFERENCE_SHAPE, auto_recipe, candidates
+
+    spec = spec_for_capability(capability)
+    shape = LayerShape(*REFERENCE_SHAPE)
+    with simulate_cuda(capability, triton=triton):
+        choice = auto_recipe()
+        speedups = {name: predict(shape, recipe, spec).speedup
+                    for name, recipe in (("per-tensor delayed", FP8Recipe()),) + candidates(capability[0])}
+        chosen = predict(shape, choice.recipe, spec).speedup
+    assert chosen >= speedups["per-tensor delayed"], (choice, speedups)
+    if triton:
+        assert chosen > 1.0, (choice, speedups)
+    for name, speedup in speedups.items():
+        assert f"{name} {speedup:.2f}x" in choice.reason or f"{name} predicted {speedup:.2f}x" in choice.reason or (
+            f"{name} scaling: predicted {speedup:.2f}x" in choice.reason), (name, choice.reason)
+    assert f"16384x4096x14336 on {spec.name}" in choice.reason and "roofline model" in choice.reason
+
+
+def test_auto_recipe_takes_a_candidate_the_model_predicts_no_slower(monkeypatch):
+    """The other branch of the decision: where the model predicts the architecture's candidate at least as fast as
+    per-tensor scaling (here a model that prices per-tensor scaling's step double), auto takes it and says so with
+    both figures."""
+    from lightning_fp8 import presets
+    from lightning_fp8.conversion import roofline
+    from lightning_fp8.kernels.device import simulate_cuda
+
+    real_predict = roofline.predict
+
+    def predict_reference_slower(shape, recipe, spec, launches=None, compiled=False):
+        p = real_predict(shape, recipe, spec, launches, compiled)
+        return dataclasses.replace(p, fp8_s=p.fp8_s * 2) if recipe == FP8Recipe() else p
+
+    monkeypatch.setattr(roofline, "predict", predict_reference_slower)
+    presets._decide.cache_clear()
+    presets._modelled.cache_clear()
+    try:
+        with simulate_cuda((10, 0)):
+            choice = presets.auto_recipe()
+        assert choice.recipe == FP8Recipe(scaling="mxfp8"), choice
+        assert choice.reason.startswith("mxfp8 predicted") and "vs per-tensor delayed" in choice.reason
+    finally:
+        presets._decide.cache_clear()
+        presets._modelled.cache_clear()
+
+
+def test_auto_recipe_is_decided_once_per_capability():
+    """auto runs at plugin construction: the model is consulted once per (capability, triton, GPU) and cached."""
+    import time
+
+    from lightning_fp8.kernels.device import simulate_cuda
+    from lightning_fp8.presets import auto_recipe
+
+    with simulate_cuda((10, 0)):
+        first = auto_recipe()
+        start = time.perf_counter()
+        for _ in range(100):
+            assert auto_recipe() == first
+        assert time.perf_counter() - start < 0.5

@@ -83,8 +83,8 @@ def test_without_te_the_backend_says_how_to_install_it():
         FP8Precision(backend="transformer_engine")
 
 
-def test_auto_recipe_that_te_cannot_express_names_auto_and_its_choice(te_stand_in):
-    """recipe='auto' on sm100 chooses mxfp8, which this TE mapping does not express: the error says that 'auto' chose
+def test_auto_recipe_that_te_cannot_express_names_auto_and_its_choice(te_stand_in, auto_prefers_candidates):
+    """recipe='auto' on sm100 chooses mxfp8 (where the model prefers it), which this TE mapping does not express: the error says that 'auto' chose
     it, on which device, and what to pass instead (before: only "cannot express scaling='mxfp8'", never chosen by
     the user)."""
     from lightning_fp8.kernels.device import simulate_cuda

@@ -176,8 +176,10 @@ def test_rowwise_scaled_mm_path_through_cpu_scaled_mm(m, k, n, with_bias):
 
 
 def test_what_the_gpu_refuses_is_emulated_with_one_warning():
-    """Blockwise scales on an sm89 GPU (cuBLASLt's block scale modes are sm90's), a float32 rowwise output on its
-    CUTLASS kernel: the op emulates them, with one FP8EmulationWarning per reason naming it."""
+    """Blockwise scales on an sm89 GPU (cuBLASLt's block scale modes are sm90's): the op emulates them, with one
+    FP8EmulationWarning per reason naming it. A float32 rowwise output on sm89's CUTLASS kernel follows the installed
+    torch's rules (scaled_mm.TORCH_RULES): refused and emulated with a warning naming what the kernel writes where
+    that torch's kernel writes bf16 / fp16 only (2.13), planned and run natively where it writes float32 (2.14 on)."""
     a, sa, b, sb = _operands(128, 256, 128, (1, 128), (128, 128))
     gemm._warned.clear()
     with simulate_cuda((8, 9)):
@@ -188,8 +190,17 @@ def test_what_the_gpu_refuses_is_emulated_with_one_warning():
             warnings.simplefilter("error")  # warned once only
             fp8_gemm_tiled(a, sa, (1, 128), b, sb, (128, 128), torch.bfloat16)
         a, sa, b, sb = _operands(32, 48, 16, (1, 0), (0, 1))
-        with pytest.warns(FP8EmulationWarning, match="bf16 / fp16 only"):
-            fp8_gemm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.float32)
+        sm89 = target_for((8, 9))
+        written = sm89.cutlass_rowwise_out_dtypes
+        if torch.float32 in written:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FP8EmulationWarning)  # native: nothing to warn about
+                out = fp8_gemm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.float32)
+            torch.testing.assert_close(out, emulated_tiled_gemm(a, sa, (1, 0), b, sb, (0, 1), torch.float32))
+        else:
+            names = " / ".join({torch.bfloat16: "bf16", torch.float16: "fp16"}[d] for d in written)
+            with pytest.warns(FP8EmulationWarning, match=f"writes {names} only in {sm89.torch_name}"):
+                fp8_gemm_tiled(a, sa, (1, 0), b, sb, (0, 1), torch.float32)
     gemm._warned.clear()
 
 

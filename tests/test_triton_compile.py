@@ -431,3 +431,76 @@ def test_aligned_adamw_step_keeps_vectorised_loads():
         unaligned = ptx_of(adamw_variant(monkeypatch, 90, "fp16", aligned=False, block_size=1024), 90)
     assert "ld.global.v4.b32" in aligned and "st.global.v4.b32" in aligned
     assert "ld.global.v4" not in unaligned and "st.global.v4" not in unaligned
+
+
+# -- the microscaled casts (kernels/triton_microscaled.py) ------------------------------------------------------------
+MICROSCALED_KERNELS = ("_mx_cast_kernel", "_nvfp4_amax_kernel", "_nvfp4_cast_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def microscaled_variants() -> Tuple[Variant, ...]:
+    """Every variant the microscaled launchers emit: MXFP8 (both formats, each layout alone and both, recording or
+    not), NVFP4 (1 x 16 with and without the Hadamard transform of x^T, with and without stochastic rounding; 16 x 16
+    weights; each layout alone and both; recording or not), the three input dtypes."""
+    import itertools
+
+    from lightning_fp8.kernels import triton_microscaled
+    from lightning_fp8.kernels.microscaled_ops import layouts_of
+
+    def calls():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(200, 300).to(dtype)  # (nothing runs: the recorder takes the launches)
+            for fmt, (row, t), rec in itertools.product(FORMATS, ((True, False), (False, True), (True, True)),
+                                                       (False, True)):
+                layouts = layouts_of("mxfp8", x.shape, [1, 32] if row else [], [1, 32] if t else [], False)
+                triton_microscaled.launch_mx_cast(x, torch.zeros(1) if rec else None, fmt, *layouts, hw_cast=True)
+            for tile, (row, t), hadamard, stochastic, rec in itertools.product(
+                    ((1, 16), (16, 16)), ((True, False), (False, True), (True, True)), (False, True), (False, True),
+                    (False, True)):
+                if tile == (16, 16) and (hadamard or stochastic):
+                    continue  # weights: neither
+                layouts = layouts_of("nvfp4", x.shape, tile if row else [], tile if t else [], hadamard)
+                triton_microscaled.launch_nvfp4_cast(x, torch.zeros(1) if rec else None,
+                                                     torch.tensor([1, 0]) if stochastic else None, *layouts, hadamard,
+                                                     hw_cast=True)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return tuple(record_kernels(monkeypatch, triton_microscaled, MICROSCALED_KERNELS, calls))
+
+
+def _for_arch(variant: Variant, arch: int) -> Variant:
+    if "HW_CAST" in variant.constexprs:
+        return variant.with_(HW_CAST=hardware_cast_exact(capability(arch), triton_version()))
+    return variant
+
+
+@pytest.mark.parametrize("arch", (100, 120))
+@pytest.mark.parametrize("kernel", MICROSCALED_KERNELS)
+def test_microscaled_variants_compile_for_blackwell(kernel, arch):
+    """Each code-choosing constexpr value and argument type of the MXFP8 / NVFP4 casts, compiled through ptxas for
+    sm100 (B200) and sm120 (RTX 50xx) with that GPU's FP8 conversion (the hardware cvt): a covering subset of every
+    launch. The E8M0 / E4M3 scale codes and the MX data use the single-rounding cvt; the Philox stream and the Hadamard
+    butterflies are integer and float32 arithmetic."""
+    variants = covering([v for v in microscaled_variants() if v.kernel.__name__ == kernel])
+    assert variants
+    for variant in variants:
+        ptx = ptx_of(_for_arch(variant, arch), arch)
+        if kernel == "_mx_cast_kernel":
+            assert DIRECT_CVT["e4m3" if variant.constexprs["BIAS"] == 7 else "e5m2"] in ptx
+        if kernel == "_nvfp4_cast_kernel":
+            assert DIRECT_CVT["e4m3"] in ptx  # the E4M3 block scales
+            if variant.constexprs["STOCHASTIC"]:
+                assert "mul.hi.u32" in ptx  # Philox's multiply-high: the in-kernel stream
+
+
+@pytest.mark.parametrize("arch", (80, 89, 90))
+def test_microscaled_casts_compile_before_blackwell(arch):
+    """The casts also run where the GEMMs are emulated (a CUDA GPU without block-scaled tensor cores): the widest
+    variant of each kernel compiles there with that GPU's conversion (sm80: the integer rounding, no FP8 instruction)."""
+    for kernel in MICROSCALED_KERNELS:
+        variants = [v for v in microscaled_variants() if v.kernel.__name__ == kernel]
+        widest = max(variants, key=lambda v: len(_features(v)) + sum(bool(x) for x in v.constexprs.values()
+                                                                     if isinstance(x, bool)))
+        ptx = ptx_of(_for_arch(widest, arch), arch)
+        if not hardware_cast_exact(capability(arch), triton_version()):
+            assert not ANY_FP8_CVT.search(ptx)

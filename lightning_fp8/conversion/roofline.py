@@ -9,7 +9,10 @@ its FLOPs); each kernel's time is then
 
 summed over the step's kernels (kernels run one after another on one stream). `min_kernel_s` is the shortest a
 kernel takes on the GPU (launch and tail), so a flood of tiny kernels costs what it costs even when its bytes are
-nothing. The peaks are the vendors' dense (no sparsity) tensor-core rates and HBM bandwidths of
+nothing. Host-side operators are not kernels and are not priced (the recorder leaves them out); a copy of a host
+tensor to the device is, at the HBM rate (optimistic: it crosses PCIe or C2C; the Triton paths of every recipe have
+none in steady state). The casts are the Triton kernels or their torch reference, whichever the modelled machine runs
+(`default_triton`). The peaks are the vendors' dense (no sparsity) tensor-core rates and HBM bandwidths of
 `shape_filter.GPU_SPECS` (each with its source there); the efficiencies are assumptions stated on `GPUSpec`. What the
 model cannot see: the GEMM efficiency differing between recipes on the same dtype (blockwise scaling's cuBLASLt
 kernels reach less of the FP8 peak than tensorwise ones), L2 reuse, overlap of communication, and CPU-bound launch
@@ -86,20 +89,23 @@ def step_seconds(launches: Sequence[Launch], spec) -> float:
     return sum(kernel_seconds(launch, spec) for launch in launches)
 
 
-def _record(build, shape: LayerShape, capability: Tuple[int, int]) -> List[Launch]:
+def _record(build, shape: LayerShape, capability: Optional[Tuple[int, int]], triton: bool = True) -> List[Launch]:
     """The launches of one forward + backward of `build(nn.Linear)` on meta tensors taking the CUDA path of
-    `capability`. The upstream gradient is made outside the recording (it is the next layer's)."""
+    `capability` (with the Triton kernels where `triton`; None: whatever path, for code that has no CUDA branch). The
+    upstream gradient is made outside the recording (it is the next layer's)."""
     import contextlib
 
     from lightning_fp8.kernels.device import simulate_cuda, simulated_profile
     from lightning_fp8.kernels.trace import record_launches
 
     active = simulated_profile()  # simulations do not nest: inside one (a test, an offline check), record under it
-    if active is not None and tuple(active.capability) != tuple(capability):
-        raise RuntimeError(f"roofline: cannot record the CUDA path of sm{capability[0]}{capability[1]} inside a "
-                           f"simulation of {active.name}")
-    simulation = (contextlib.nullcontext() if active is not None
-                  else simulate_cuda(capability, triton=importlib.util.find_spec("triton") is not None))
+    if active is not None and capability is not None and (tuple(active.capability) != tuple(capability)
+                                                           or active.triton != triton):
+        raise RuntimeError(f"roofline: cannot record the CUDA path of sm{capability[0]}{capability[1]} "
+                           f"({'with' if triton else 'without'} triton) inside a simulation of {active.name} "
+                           f"({'with' if active.triton else 'without'} triton)")
+    simulation = (contextlib.nullcontext() if active is not None or capability is None
+                  else simulate_cuda(capability, triton=triton))
     with simulation:
         layer = build(nn.Linear(shape.in_features, shape.out_features, bias=False, device="meta",
                                 dtype=torch.bfloat16))
@@ -112,12 +118,27 @@ def _record(build, shape: LayerShape, capability: Tuple[int, int]) -> List[Launc
     return forward + backward
 
 
-@functools.lru_cache(maxsize=256)
-def fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, int]) -> Tuple[Launch, ...]:
+def default_triton() -> bool:
+    """Whether the CUDA path being modelled runs the Triton kernels: the active simulation's setting, else whether
+    triton is installed (a CUDA machine without it runs the torch reference casts)."""
+    from lightning_fp8.kernels.device import simulated_profile
+
+    active = simulated_profile()
+    return active.triton if active is not None else importlib.util.find_spec("triton") is not None
+
+
+def fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, int],
+                 triton: Optional[bool] = None) -> Tuple[Launch, ...]:
     """What an FP8Linear of `recipe` launches for one training step (bf16 activations and weight), as the engine
     runs it in steady state: no scale close of its own (the engine closes every layer's step in one pass per
     iteration) and, its decisions having read that every history sizes a delayed scale, no amax pre-pass in a
-    delayed cast."""
+    delayed cast. `triton`: whether the Triton kernels run (default: `default_triton()`); cached per argument."""
+    return _fp8_launches(shape, recipe, tuple(capability), default_triton() if triton is None else bool(triton))
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, int],
+                  triton: bool) -> Tuple[Launch, ...]:
     import warnings
 
     from lightning_fp8.modules.linear import FP8Linear
@@ -130,13 +151,16 @@ def fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, in
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an emulated GEMM warns; it shows in the launches (mm on dequantized data)
-        return tuple(_record(as_the_engine_runs_it, shape, capability))
+        return tuple(_record(as_the_engine_runs_it, shape, capability, triton))
+
+
+fp8_launches.cache_clear = _fp8_launches.cache_clear  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=256)
 def bf16_launches(shape: LayerShape) -> Tuple[Launch, ...]:
-    """What a BF16 nn.Linear launches for one training step: the three GEMMs."""
-    return tuple(_record(lambda linear: linear, shape, (9, 0)))
+    """What a BF16 nn.Linear launches for one training step: the three GEMMs (the same on every GPU)."""
+    return tuple(_record(lambda linear: linear, shape, None))
 
 
 def te_launches(shape: LayerShape, recipe: FP8Recipe) -> Tuple[Launch, ...]:
@@ -185,4 +209,4 @@ def predict(shape: LayerShape, recipe: FP8Recipe, spec, launches: Optional[Seque
 
 
 __all__ = ["LayerShape", "Prediction", "MIN_KERNEL_S", "kernel_seconds", "step_seconds", "fp8_launches",
-           "bf16_launches", "te_launches", "predict", "capability_of"]
+           "bf16_launches", "te_launches", "predict", "capability_of", "default_triton"]

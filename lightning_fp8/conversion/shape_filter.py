@@ -17,7 +17,7 @@ does not know.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -59,8 +59,11 @@ class GPUSpec:
 #: GPUSpec. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM / PCIe / NVL: BF16, FP8, HBM), NVIDIA H200
 #: Tensor Core GPU datasheet (H200 SXM: the H100 SXM's compute, 4.8 TB/s HBM3e), NVIDIA Blackwell architecture
 #: technical brief (B200 in HGX B200, per GPU: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s dense, 8 TB/s HBM3e), the L40S and
-#: RTX 4090 (Ada) datasheets. Matched against torch.cuda.get_device_name() by substring, first match wins (so
-#: "H100 PCIe" before "H100").
+#: RTX 4090 (Ada) datasheets, the NVIDIA RTX Blackwell (GeForce RTX 5090, sm120) architecture figures: 838 FP16 and
+#: 1677 FP8 tensor TFLOP/s sparse with FP16 accumulation, halved for dense and halved again for FP32 accumulation
+#: (what training runs, as the RTX 4090's row), 1792 GB/s GDDR7; its FP4 rate is left out (NVFP4 does not run
+#: natively on sm120 here: modules/scaled_mm.py). Matched against torch.cuda.get_device_name() by substring, first
+#: match wins (so "H100 PCIe" before "H100").
 GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
     ("B200", GPUSpec("B200", bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_tbps=8.0, fp4_tflops=9000.0,
                      capability=(10, 0))),
@@ -72,7 +75,13 @@ GPU_SPECS: Tuple[Tuple[str, GPUSpec], ...] = (
     ("H800", GPUSpec("H800", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35)),
     ("L40S", GPUSpec("L40S", bf16_tflops=362.0, fp8_tflops=733.0, hbm_tbps=0.864, capability=(8, 9))),
     ("4090", GPUSpec("RTX 4090", bf16_tflops=165.0, fp8_tflops=330.0, hbm_tbps=1.0, capability=(8, 9))),
+    ("5090", GPUSpec("RTX 5090", bf16_tflops=209.5, fp8_tflops=419.0, hbm_tbps=1.792, capability=(12, 0))),
 )
+
+#: per compute-capability major version, the GPU whose figures stand for the family where a device's own name has
+#: none (a simulated GPU, or one missing from GPU_SPECS): sm89 L40S, sm90 H100 SXM, sm100 / sm103 B200, sm120 /
+#: sm121 RTX 5090
+FAMILY_SPECS: Dict[int, str] = {8: "L40S", 9: "H100", 10: "B200", 12: "5090"}
 
 DeviceLike = Union[None, str, torch.device, GPUSpec]
 
@@ -82,6 +91,15 @@ def spec_for_name(device_name: str) -> Optional[GPUSpec]:
         if key.lower() in device_name.lower():
             return spec
     return None
+
+
+def spec_for_capability(capability: Tuple[int, int]) -> Optional[GPUSpec]:
+    """The speed model standing for GPUs of `capability` (`FAMILY_SPECS`), or None (no FP8 tensor cores, or a family
+    without one); the capability it models is `capability` itself."""
+    if tuple(capability) < (8, 9) or capability[0] not in FAMILY_SPECS:
+        return None
+    spec = spec_for_name(FAMILY_SPECS[capability[0]])
+    return replace(spec, capability=tuple(capability)) if spec is not None else None
 
 
 def resolve_spec(device: DeviceLike = None) -> Tuple[Optional[GPUSpec], str]:
@@ -225,4 +243,6 @@ __all__ = [
     "AutoShapeFilter",
     "shape_skip_reason",
     "resolve_spec",
+    "spec_for_capability",
+    "FAMILY_SPECS",
 ]

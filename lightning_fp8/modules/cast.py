@@ -12,8 +12,7 @@ import torch
 
 from lightning_fp8 import kernels
 from lightning_fp8.kernels.device import profile_of
-from lightning_fp8.kernels.microscaled_ops import transposed_noise_shape
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX, RoleState
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX, RoleState, stochastic_rounding_state
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.formats import FP8Format
@@ -124,23 +123,28 @@ class TiledCaster(Caster):
 class MicroscaledCaster(Caster):
     """Blackwell's block-scaled formats (scaling "mxfp8" / "nvfp4"): `lightning_fp8::microscaled_cast`, both layouts
     in one op, with NVFP4's float32 tensor scale and, on the weight-gradient GEMM's operands (x^T, dY^T), its random
-    Hadamard transform. The microscaled GEMM pads its own operands."""
+    Hadamard transform. The cast writes each layout padded to the scaled GEMM's multiples and its scales swizzled
+    (kernels/microscaled_ops.py). NVFP4's stochastic rounding draws from the layer's own Philox stream
+    (`fp8_meta.stochastic_rounding_state`: seed and offset kept with the layer's FP8 state), never from torch's global
+    generator; MXFP8 rounds to nearest even."""
 
     def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):
         recipe = self.recipe
         tile, tile_t = operand_tiles(recipe.scaling, recipe.block_size, role)
         tile, tile_t = (tile if layouts[0] else ()), (tile_t if layouts[1] else ())
         hadamard = recipe.random_hadamard and role != "weight"
-        noise = self._noise(role, x.shape, x.device, generator) if tile else None
-        noise_t = self._noise(role, transposed_noise_shape(x.shape, hadamard), x.device, generator) if tile_t else None
+        rng_state = None
+        if recipe.scaling == "nvfp4" and recipe.rounding_for(role) == "stochastic":
+            rng_state = stochastic_rounding_state(history, x.device, generator)
         (q, s, g), (q_t, s_t, g_t) = kernels.microscaled_cast(
             x, history, ROLE_INDEX[role], recipe.scaling, recipe.format_for(role), tile, tile_t, hadamard_t=hadamard,
-            noise=noise, noise_t=noise_t, record=record,
+            record=record, rng_state=rng_state,
         )
         return FP8Operand(FP8Matrix(q, s, tile, g) if q is not None else None,
                           FP8Matrix(q_t, s_t, tile_t, g_t) if q_t is not None else None)
 
     def weight_for_dgrad(self, weight, history, scale, scale_inv):
+        # where the forward did not keep W^T (FSDP2: keep_weight_transpose False): cast it again, the same bytes
         return self.cast(weight, history, "weight", False, layouts=(False, True)).transposed.t()
 
 

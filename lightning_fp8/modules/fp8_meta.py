@@ -6,6 +6,13 @@ Buffers (what `fp8_state_dict` saves; they round-trip exactly):
   overflow_count  int64 [3]: steps whose amax was inf / NaN (or, unscaled, beyond the format's range)
   clip_count      int64 [3]: delayed-scaling steps whose amax exceeded the range of the scale the casts used
   enabled         bool: the layer's precision switch (False: the layer computes in BF16)
+  rng_state       int64 [2] (seed, offset), only for a recipe that rounds gradients stochastically with in-kernel
+                  random numbers (NVFP4): the layer's own Philox stream (numerics.microscaling.philox_uniform), its
+                  seed drawn once from torch's default generator when the buffer is created, its offset advanced on
+                  the device by each cast's draws. Saved with the rest, so a resume continues the stream where it
+                  stopped (bit-identical to an uninterrupted run); a checkpoint without it keeps the fresh one. The
+                  casts find it through the history they are given (`stochastic_rounding_state`), so no call site
+                  passes it.
 
 Scales are not stored: every cast derives its scale from the history under its own recipe, and `scale(role)` /
 `meta.input.scale` show the scale the next step's casts will use. The recipe's per-role constants (format range,
@@ -60,6 +67,21 @@ class FP8LinearMeta(nn.Module):
             self.register_buffer(f"recipe_{name}", value, persistent=False)
         if self.amax_history.shape[1] != recipe.amax_history_len + 1:
             self.amax_history = _resize_history(self.amax_history, recipe.amax_history_len + 1)
+        if uses_rounding_stream(recipe) and "rng_state" not in self._buffers:
+            self.register_buffer("rng_state", new_rounding_stream(device))
+        self._attach_rounding_stream()
+
+    def _attach_rounding_stream(self) -> None:
+        """Let the casts find the stream from the history tensor they receive (module docstring): an attribute of the
+        history buffer, set again whenever the buffer is replaced (a resize, `.to()`, a load with assign=True)."""
+        stream = self._buffers.get("rng_state")
+        if stream is not None:
+            setattr(self.amax_history, _STREAM_ATTRIBUTE, stream)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._attach_rounding_stream()
+        return out
 
     def forget_sizes(self) -> None:
         """The histories may no longer size a delayed scale: the next delayed casts take their pre-pass."""
@@ -104,6 +126,8 @@ class FP8LinearMeta(nn.Module):
         self.overflow_count.zero_()
         self.clip_count.zero_()
         self.enabled.fill_(True)
+        if "rng_state" in self._buffers:
+            self.rng_state.copy_(new_rounding_stream(self.rng_state.device))
         self.set_recipe(self.recipe)
 
     # -- checkpoint compatibility --------------------------------------------------------------------------------
@@ -120,6 +144,7 @@ class FP8LinearMeta(nn.Module):
                 state_dict[key] = _resize_history(state_dict[key], buf.shape[1])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self.forget_sizes()
+        self._attach_rounding_stream()
 
 
 class RoleState:
@@ -202,6 +227,33 @@ class RoleState:
         raise AttributeError(f"'RoleState' object has no attribute {name!r}")
 
 
+_STREAM_ATTRIBUTE = "_lightning_fp8_rng_state"
+
+
+def uses_rounding_stream(recipe: FP8Recipe) -> bool:
+    """Whether a recipe's casts draw stochastic rounding's numbers from the layer's own stream (NVFP4 with stochastic
+    gradients: the fused cast generates them in-kernel)."""
+    return recipe.scaling == "nvfp4" and recipe.rounding_for("grad_output") == "stochastic"
+
+
+def new_rounding_stream(device=None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A fresh stream state, int64 [seed, offset 0]: the seed drawn from `generator` (torch's default CPU generator:
+    one draw, when a layer adopts such a recipe, so that torch.manual_seed makes it reproducible)."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64)]).to(device)
+
+
+def stochastic_rounding_state(history: torch.Tensor, device=None,
+                              generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The stream state of the layer whose amax history this is (FP8LinearMeta.rng_state, mutated by the casts that
+    draw from it); a history of no such layer (a cast outside FP8LinearMeta, an FP8LinearMeta pickled before the stream
+    existed) gets a transient stream seeded from `generator` (torch's default): one draw per cast."""
+    stream = getattr(history, _STREAM_ATTRIBUTE, None)
+    if stream is not None:
+        return stream
+    return new_rounding_stream(generator=generator).to(device if device is not None else history.device)
+
+
 def _resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
     """Keep the newest entries (slot 0 and the most recent completed steps) when the history length changes."""
     if history.shape[-1] >= length:
@@ -232,4 +284,5 @@ def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
             state_dict.pop(f"{prefix}{role}.{name}", None)
 
 
-__all__ = ["FP8LinearMeta", "RoleState", "ROLE_INDEX"]
+__all__ = ["FP8LinearMeta", "RoleState", "ROLE_INDEX", "stochastic_rounding_state", "uses_rounding_stream",
+           "new_rounding_stream"]

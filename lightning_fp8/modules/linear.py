@@ -202,9 +202,10 @@ class FP8Layer(nn.Module):
             w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
             w_cast = FP8Operand(FP8Matrix(w_fp8, w_scale_inv), None, w_scale)
         else:
-            # W^T for the input-gradient GEMM from the same pass, kept for backward, where a per-tensor cast writes it
-            keep_w_t = (self.keep_weight_transpose and not recipe.fine_grained and x2d.requires_grad
-                        and torch.is_grad_enabled())
+            # W^T for the input-gradient GEMM from the same pass, kept for backward, where the cast writes it in that
+            # pass (per-tensor on CUDA, microscaled everywhere)
+            keep_w_t = (self.keep_weight_transpose and (recipe.microscaled or not recipe.fine_grained)
+                        and x2d.requires_grad and torch.is_grad_enabled())
             w_cast = caster.cast(weight, meta.amax_history, "weight", training, layouts=(True, keep_w_t),
                                  history_sized=meta.history_sized[ROLE_INDEX["weight"]])
         cfg = GemmConfig(recipe, _output_dtype(x), training, pad_to, training and meta.history_sized[ROLE_INDEX["grad_output"]])

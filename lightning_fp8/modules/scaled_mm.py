@@ -7,8 +7,10 @@ cannot take it (the caller then emulates, and says so once). The plan is plain t
 it runs on CUDA, CPU and meta tensors alike: a planned call can be replayed on meta tensors against torch's own
 checks without a GPU, and `check_call` checks what meta tensors cannot show.
 
-The rules, per kind of scaling (torch 2.11 - 2.13, cuBLASLt >= 12.9, as their scaled-GEMM sources read; `ARCH_RULES`
-per architecture):
+The rules, per kind of scaling (torch 2.10 - 2.15, cuBLASLt >= 12.9, as their scaled-GEMM sources read). They are
+data, per torch release range (`TORCH_RULES`: the rules per architecture and what torch's CUTLASS rowwise kernel
+writes), and a target carries its torch version (`ScaledMMTarget.torch_rules`), so the planner follows the installed
+torch and the contract suite replays the rules of the torch that runs it:
 
   every kind   FP8 tensor cores: sm89 and newer. mat_a (M, K) row-major, mat_b (K, N) column-major, K and N multiples
                of 16 (zero-padded here: padded products are zero), M free; never e5m2 x e5m2. Operands exactly
@@ -17,9 +19,11 @@ per architecture):
                output gets its bias added here, in float32, before the one rounding.
   tensorwise   `torch._scaled_mm`, float32 0-d dequant scales; fast accumulation allowed.
   rowwise      `torch._scaled_mm`, scale_a (M, 1) and scale_b (1, N), float32, contiguous. sm90 runs cuBLASLt (any
-               output dtype). sm89, sm100 and sm120 run CUTLASS kernels which, up to torch 2.13, write bf16 and fp16
-               only (float32 output: refused), write bf16 bits into an fp16 output that has no bias (so an fp16
-               output always gets a bias, zeros if need be) and take e5m2 only as mat_a.
+               output dtype). sm89, sm100 and sm120 run CUTLASS kernels which take e5m2 only as mat_a and write, per
+               torch release (`TORCH_RULES`): bf16 only before 2.10; bf16 and fp16 in 2.10 - 2.13 (float32 output:
+               refused), with bf16 bits written into an fp16 output that has no bias (so an fp16 output always gets
+               a bias, zeros if need be); bf16, fp16 and float32 from 2.14 (pytorch#187569: the kernel without a bias
+               writes the output's dtype).
   blockwise    DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 through `torch.nn.functional.scaled_mm` (v2): sm90
                only, both operands e4m3, no fast accumulation. cuBLASLt reads a 128x128 scale tensor with its K-block
                dimension padded to a multiple of 4 (L4 = round_up(K/128, 4): shape (L4, N/128), strides (1, L4)); the
@@ -40,7 +44,9 @@ per architecture):
                to a multiple of 32 and N to 16 (padded elements are zero; a ragged last block keeps its scale).
   nvfp4        FP4 E2M1 operands (`torch.float4_e2m1fn_x2`, two per byte along K) with two-level scales per operand:
                BlockWise1x16 E4M3 block scales (swizzled as for MX, over ceil(K/16) blocks) and a TensorWise float32
-               scale (cuBLASLt multiplies the accumulator by their product). sm100 / sm103 only here (cuBLASLt's
+               scale (cuBLASLt multiplies the accumulator by their product); one recipe and one swizzle per scale,
+               [SWIZZLE_32_4_4, NO_SWIZZLE] (torch's CUDA check, ScaledBlas.cpp `check_swizzle_lengths`, wants two;
+               its meta check reads the first only). sm100 / sm103 only here (cuBLASLt's
                VEC16_UE4M3 mode; sm120's FP4 path is not established: Transformer Engine's NVFP4 recipe fails there,
                TransformerEngine#2255), no fast accumulation (torch refuses it for FP4). 16 x 16 weight blocks are
                handed over as the 1 x 16 scales of their rows (the same scale repeated). K is zero-padded to 32
@@ -58,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fp8.kernels.device import DeviceProfile
+from lightning_fp8.kernels.microscaled_ops import gemm_operand_storage, swizzled_block_scales
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
 from lightning_fp8.numerics.tiles import tile_extent
 
@@ -72,7 +79,7 @@ BLOCKWISE = (BLOCK_1x128_128x128, BLOCK_1x128_1x128)
 MXFP8 = "mxfp8 1x32"
 NVFP4 = "nvfp4 1x16"
 MICROSCALED = (MXFP8, NVFP4)
-E8M0 = torch.float8_e8m0fnu
+E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
 FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
 
 V1 = "torch._scaled_mm"
@@ -88,20 +95,93 @@ class ArchRules:
     """What torch's scaled GEMM takes on one GPU architecture (module docstring)."""
 
     kinds: Tuple[str, ...]
-    #: "cublaslt" (sm90 with cuBLASLt >= 12.9: any output dtype) or "cutlass" (bf16 / fp16 output up to torch 2.13,
-    #: e5m2 only as mat_a, an fp16 output needs a bias)
+    #: "cublaslt" (sm90 with cuBLASLt >= 12.9: any output dtype) or "cutlass" (torch's CUTLASS rowwise kernel: the
+    #: output dtypes of `TorchRules.cutlass_rowwise_out_dtypes`, e5m2 only as mat_a)
     rowwise_backend: str
     #: the rowwise kernel reads operands as packed whatever their strides (sm89's CUTLASS kernel)
     rowwise_ignores_strides: bool = False
 
 
-#: per compute-capability major version (sm89 is the only FP8 architecture of major 8)
-ARCH_RULES: Dict[int, ArchRules] = {
-    8: ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass", rowwise_ignores_strides=True),
-    9: ArchRules(kinds=(TENSORWISE, ROWWISE) + BLOCKWISE, rowwise_backend="cublaslt"),
-    10: ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8, NVFP4), rowwise_backend="cutlass"),
-    12: ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8), rowwise_backend="cutlass"),
-}
+#: per compute-capability major version (sm89 is the only FP8 architecture of major 8): torch 2.10 - 2.15 alike
+_ARCHS: Tuple[Tuple[int, ArchRules], ...] = (
+    (8, ArchRules(kinds=(TENSORWISE, ROWWISE), rowwise_backend="cutlass", rowwise_ignores_strides=True)),
+    (9, ArchRules(kinds=(TENSORWISE, ROWWISE) + BLOCKWISE, rowwise_backend="cublaslt")),
+    (10, ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8, NVFP4), rowwise_backend="cutlass")),
+    (12, ArchRules(kinds=(TENSORWISE, ROWWISE, MXFP8), rowwise_backend="cutlass")),
+)
+
+
+#: before torch 2.10: sm90's rowwise GEMM taken as torch's CUTLASS kernel too (conservative: cuBLASLt's rowwise path
+#: came with cuBLASLt 12.9 support in torch's rowwise dispatch, whose first release is not established here)
+_ARCHS_BEFORE_2_10 = tuple((major, replace(rules, rowwise_backend="cutlass") if major == 9 else rules)
+                           for major, rules in _ARCHS)
+
+
+@dataclass(frozen=True)
+class TorchRules:
+    """What the scaled GEMM of a range of torch releases takes, as their CUDA sources read (module docstring): the
+    rules per architecture, and what torch's CUTLASS rowwise kernel (sm89, sm100, sm120, and sm90 below cuBLASLt
+    12.9) writes."""
+
+    #: the first torch release (major, minor) these rules hold for; they hold up to the next entry's
+    since: Tuple[int, int]
+    archs: Tuple[Tuple[int, ArchRules], ...]
+    #: the output dtypes the CUTLASS rowwise kernel writes (others: refused, "Only bf16 ... output types are
+    #: supported for row-wise scaling")
+    cutlass_rowwise_out_dtypes: Tuple[torch.dtype, ...]
+    #: whether its kernel without a bias writes an fp16 output as fp16 (False: it writes bf16 bits into it, so an fp16
+    #: output always gets a bias, zeros if need be)
+    cutlass_rowwise_fp16_without_bias: bool
+    #: where the rules were read
+    source: str
+
+    def arch(self, major: int) -> Optional[ArchRules]:
+        return dict(self.archs).get(major)
+
+
+#: the rules of each torch release range, oldest first (`rules_for_torch`); the contract suite replays the rules of the
+#: torch that runs it (tests/test_cuda_contract.py `expected_native`)
+TORCH_RULES: Tuple[TorchRules, ...] = (
+    TorchRules(
+        since=(2, 0), archs=_ARCHS_BEFORE_2_10, cutlass_rowwise_out_dtypes=(torch.bfloat16,),
+        cutlass_rowwise_fp16_without_bias=False,
+        source="before 2.10 torch's CUTLASS rowwise kernel writes bf16 only (its fp16 output came with "
+               "pytorch#166744), and sm90's rowwise GEMM is taken to be that kernel; the v2 API (blockwise, MX, NVFP4) "
+               "is absent, which `ScaledMMTarget.has_v2` reads off the running torch. Conservative: not checked "
+               "against each older release's sources"),
+    TorchRules(
+        since=(2, 10), archs=_ARCHS, cutlass_rowwise_out_dtypes=(torch.bfloat16, torch.float16),
+        cutlass_rowwise_fp16_without_bias=False,
+        source="torch 2.13's table (aten/src/ATen/native/cuda/ScaledBlas.cpp `_scaled_rowwise_rowwise`, "
+               "RowwiseScaledMM.cu `check_inputs` / `dispatch_fp8_rowwise_kernel_on_bias_dtype`: bf16 and fp16 "
+               "outputs, the kernel without a bias bound to bf16 output; 2.13.0+cu130's libtorch_cuda.so holds 'Only "
+               "bf16 and fp16 high precision output types are supported for row-wise scaling.'; fp16 since 2.10, "
+               "pytorch#166744)"),
+    TorchRules(
+        since=(2, 14), archs=_ARCHS, cutlass_rowwise_out_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        cutlass_rowwise_fp16_without_bias=True,
+        source="pytorch#187569 (opened after the 2.13 branch cut): the CUTLASS rowwise kernel without a bias writes "
+               "the output's dtype, float32 included (RowwiseScaledMM.cu `check_inputs`: bf16, fp16 or fp32; "
+               "ScaledBlas.cpp `_scaled_rowwise_rowwise`); a bias with a float32 output stays refused. Checked in "
+               "the binaries: 2.14.1+cu130's and 2.15.0+cu132's libtorch_cuda.so hold 'Only bf16, fp16, and fp32 high "
+               "precision output types are supported for row-wise scaling.' and 'Output dtype must be bfloat16, "
+               "float16, or float32'"),
+)
+
+
+def rules_for_torch(version: Tuple[int, int]) -> TorchRules:
+    """The scaled-GEMM rules of torch `version` (major, minor): the last `TORCH_RULES` entry it has reached."""
+    chosen = TORCH_RULES[0]
+    for rules in TORCH_RULES:
+        if tuple(version) >= rules.since:
+            chosen = rules
+    return chosen
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "float32"}
+    return " / ".join(names.get(d, str(d).replace("torch.", "")) for d in dtypes)
+
 
 #: why an architecture refuses a kind it does not list (the caller emulates and warns once with this)
 _KIND_REFUSALS = {
@@ -117,6 +197,10 @@ _KIND_REFUSALS = {
 def _version(text: Optional[str]) -> Optional[Tuple[int, int]]:
     match = re.match(r"(\d+)\.(\d+)", text or "")
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+#: the architectures' rules of the installed torch (per compute-capability major version)
+ARCH_RULES: Dict[int, ArchRules] = dict(rules_for_torch(_version(torch.__version__) or (0, 0)).archs)
 
 
 @dataclass(frozen=True)
@@ -140,11 +224,17 @@ class ScaledMMTarget:
         return f"sm{self.capability[0]}{self.capability[1]}"
 
     @property
+    def torch_rules(self) -> TorchRules:
+        """The scaled-GEMM rules of this target's torch release."""
+        return rules_for_torch(self.torch_version)
+
+    @property
     def rules(self) -> Optional[ArchRules]:
-        """The architecture's rules; None below sm89 (no FP8 tensor cores)."""
+        """The architecture's rules under this target's torch; None below sm89 (no FP8 tensor cores)."""
         if self.capability < (8, 9):
             return None
-        return ARCH_RULES.get(self.capability[0], ARCH_RULES[12] if self.capability[0] > 12 else None)
+        torch_rules = self.torch_rules
+        return torch_rules.arch(self.capability[0]) or (torch_rules.arch(12) if self.capability[0] > 12 else None)
 
     @property
     def rowwise_backend(self) -> str:
@@ -156,8 +246,19 @@ class ScaledMMTarget:
         return rules.rowwise_backend
 
     @property
-    def cutlass_rowwise_writes_float32(self) -> bool:
-        return self.torch_version > (2, 13)
+    def cutlass_rowwise_out_dtypes(self) -> Tuple[torch.dtype, ...]:
+        """The output dtypes torch's CUTLASS rowwise kernel writes under this target's torch."""
+        return self.torch_rules.cutlass_rowwise_out_dtypes
+
+    @property
+    def cutlass_rowwise_fp16_needs_bias(self) -> bool:
+        """Whether an fp16 output of the CUTLASS rowwise kernel needs a bias (its kernel without one writes bf16
+        bits) under this target's torch."""
+        return not self.torch_rules.cutlass_rowwise_fp16_without_bias
+
+    @property
+    def torch_name(self) -> str:
+        return f"torch {self.torch_version[0]}.{self.torch_version[1]}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,15 +345,19 @@ class ScaledMMCall:
             out = torch._scaled_mm(self.mat_a, self.mat_b, scale_a=self.scale_a, scale_b=self.scale_b, bias=self.bias,
                                    out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum)
         elif self.kind in MICROSCALED:
-            scaling, swizzle = F.ScalingType, F.SwizzleType.SWIZZLE_32_4_4
+            # one recipe and one swizzle per scale (torch's CUDA check, `check_swizzle_lengths`; its meta check reads
+            # the first swizzle only): the block scales swizzled, NVFP4's tensor scale not
+            scaling, swizzle = F.ScalingType, F.SwizzleType
             if self.kind == MXFP8:
-                scale_a, recipe_a = self.scale_a, scaling.BlockWise1x32
-                scale_b, recipe_b = self.scale_b, scaling.BlockWise1x32
+                scale_a, scale_b = [self.scale_a], [self.scale_b]
+                recipe = [scaling.BlockWise1x32]
+                swizzles = [swizzle.SWIZZLE_32_4_4]
             else:
                 scale_a, scale_b = [self.scale_a, self.tensor_scale_a], [self.scale_b, self.tensor_scale_b]
-                recipe_a = recipe_b = [scaling.BlockWise1x16, scaling.TensorWise]
-            out = F.scaled_mm(self.mat_a, self.mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a=swizzle,
-                              swizzle_b=swizzle, bias=self.bias, output_dtype=self.out_dtype,
+                recipe = [scaling.BlockWise1x16, scaling.TensorWise]
+                swizzles = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
+            out = F.scaled_mm(self.mat_a, self.mat_b, scale_a, recipe, scale_b, list(recipe), swizzle_a=swizzles,
+                              swizzle_b=list(swizzles), bias=self.bias, output_dtype=self.out_dtype,
                               use_fast_accum=self.use_fast_accum)
         else:
             recipe_a, recipe_b = _V2_RECIPES[self.kind]
@@ -267,7 +372,12 @@ class ScaledMMCall:
         if sliced:
             out = out[:, :n]
         if bias_after is not None:
-            out = out.to(torch.float32) + bias_after.to(torch.float32)
+            # one kernel: the float32 output plus the bias (read in its own dtype, widened exactly), rounded once
+            # into the output dtype
+            if bias_after.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                bias_after = bias_after.to(torch.float32)
+            result = torch.empty((out.shape[0], n), dtype=out_dtype, device=out.device)
+            return torch.add(out.to(torch.float32), bias_after, out=result)
         if out.dtype != out_dtype or sliced:
             out = out.to(out_dtype).contiguous()
         return out
@@ -354,9 +464,11 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
     if cutlass:
         if b.dtype == E5M2:
             return Refusal(f"rowwise scaling on {target.name} (CUTLASS) takes e5m2 only as the first operand")
-        if mm_dtype == torch.float32 and not target.cutlass_rowwise_writes_float32:
-            return Refusal(f"rowwise scaling on {target.name} (CUTLASS) writes bf16 / fp16 only up to torch 2.13; "
-                           "this GEMM's output is float32 (train under BF16 autocast, or use per-tensor scaling)")
+        if mm_dtype not in target.cutlass_rowwise_out_dtypes:
+            return Refusal(f"rowwise scaling on {target.name} (CUTLASS) writes "
+                           f"{_dtype_names(target.cutlass_rowwise_out_dtypes)} only in {target.torch_name}; this "
+                           f"GEMM's output is {_dtype_names([mm_dtype])} (train under BF16 autocast, or use per-tensor "
+                           "scaling)")
     k16, n16 = _round_up(k, 16), _round_up(n, 16)
     mat_a = _packed(_padded(a, m, k16))
     mat_b = _packed(_padded(b.t(), n16, k16)).t()
@@ -377,7 +489,7 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
             bias_after = bias
         else:
             bias_arg = _padded_vector(bias.to(mm_dtype), n16)
-    elif cutlass and mm_dtype == torch.float16:
+    elif cutlass and mm_dtype == torch.float16 and target.cutlass_rowwise_fp16_needs_bias:
         bias_arg = torch.zeros(n16, dtype=torch.float16, device=a.device)  # the fp16 kernel is the one with a bias
     fast_accum = operands.use_fast_accum
     return ScaledMMCall(V1, kind, mat_a, mat_b, scale_a, scale_b, bias_arg, mm_dtype, fast_accum,
@@ -434,14 +546,11 @@ def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget)
                        "use format='e4m3' (the default of scaling='mxfp8')")
     k32, n16 = _round_up(k, 32), _round_up(n, 16)
     block = 32 if kind == MXFP8 else 16
-    if kind == MXFP8:
-        mat_a = _packed(_padded(a, m, k32))
-        mat_b = _packed(_padded(b.t(), n16, k32)).t()
-    else:  # packed FP4: two elements per byte along K
-        mat_a = _packed(_padded_bytes(a, m, k32 // 2))
-        mat_b = _packed(_padded_bytes(b.t(), n16, k32 // 2)).t()
-    scale_a = swizzle_32_4_4(_row_scales(operands.a.scale_inv, operands.a.tile, m, k, block))
-    scale_b = swizzle_32_4_4(_row_scales(operands.b.scale_inv.t(), _transposed(operands.b.tile), n, k, block), rows=n16)
+    cols = k32 if kind == MXFP8 else k32 // 2  # packed FP4: two elements per byte along K
+    mat_a = _microscaled_operand(a, m, cols, kind)
+    mat_b = _microscaled_operand(b.t(), n16, cols, kind).t()
+    scale_a = _swizzled_scales(operands.a.scale_inv, operands.a.tile, m, k, block, m)
+    scale_b = _swizzled_scales(operands.b.scale_inv.t(), _transposed(operands.b.tile), n, k, block, n16)
     bias = operands.bias
     mm_dtype = torch.float32 if bias is not None or operands.out_dtype not in _OUT_DTYPES else operands.out_dtype
     call = ScaledMMCall(V2, kind, mat_a, mat_b, scale_a, scale_b, None, mm_dtype, False,
@@ -450,6 +559,27 @@ def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget)
         call.tensor_scale_a = operands.a.tensor_scale.to(torch.float32).reshape(())
         call.tensor_scale_b = operands.b.tensor_scale.to(torch.float32).reshape(())
     return call
+
+
+def _microscaled_operand(t: Tensor, rows: int, cols: int, kind: str) -> Tensor:
+    """The (rows, cols) row-major operand (K padded to 32, N to 16; `cols` in bytes for packed FP4): the padded storage
+    a microscaled cast wrote it in, read as it is (kernels/microscaled_ops.py `gemm_operand_storage`), else a padded,
+    packed copy."""
+    stored = gemm_operand_storage(t, rows, cols)
+    if stored is not None and _aligned(stored):
+        return stored
+    return _packed(_padded(t, rows, cols) if kind == MXFP8 else _padded_bytes(t, rows, cols))
+
+
+def _swizzled_scales(scales: Tensor, tile: Sequence[int], rows: int, k: int, block: int, padded_rows: int) -> Tensor:
+    """An operand's block scales in cuBLASLt's swizzled layout: the swizzled buffer a microscaled cast wrote in front
+    of the per-tile grid it returns, read as it is (kernels/microscaled_ops.py `swizzled_block_scales`), else the
+    grid expanded to one scale per row and swizzled (a copy)."""
+    blocks = -(-k // block)
+    written = swizzled_block_scales(scales, rows, blocks) if scales.dim() == 2 else None
+    if written is not None:
+        return written.view(scales.dtype)
+    return swizzle_32_4_4(_row_scales(scales, tile, rows, k, block), rows=padded_rows)
 
 
 def _transposed(tile: Sequence[int]) -> Tuple[int, int]:
@@ -570,10 +700,11 @@ def check_call(call: ScaledMMCall) -> List[str]:
     if call.kind == ROWWISE and target.rowwise_backend == "cutlass":
         if b.dtype != E4M3:
             problems.append("CUTLASS rowwise with an e5m2 second operand")
-        if call.out_dtype not in (torch.bfloat16, torch.float16) and not target.cutlass_rowwise_writes_float32:
-            problems.append(f"CUTLASS rowwise writing {call.out_dtype}")
-        if call.out_dtype == torch.float16 and call.bias is None:
-            problems.append("CUTLASS rowwise writing fp16 without a bias (its no-bias kernel writes bf16 bits)")
+        if call.out_dtype not in target.cutlass_rowwise_out_dtypes:
+            problems.append(f"CUTLASS rowwise writing {call.out_dtype} in {target.torch_name}")
+        if call.out_dtype == torch.float16 and call.bias is None and target.cutlass_rowwise_fp16_needs_bias:
+            problems.append(f"CUTLASS rowwise writing fp16 without a bias in {target.torch_name} (its no-bias kernel "
+                            "writes bf16 bits)")
     if call.kind in MICROSCALED:
         problems.extend(_check_microscaled(call))
     if call.kind in BLOCKWISE:
@@ -631,7 +762,8 @@ def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int
 
 
 __all__ = [
-    "ARCH_RULES", "ArchRules", "GemmOperands", "scaling_kind", "Refusal", "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
+    "ARCH_RULES", "ArchRules", "TORCH_RULES", "TorchRules", "rules_for_torch", "GemmOperands", "scaling_kind", "Refusal",
+    "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
     "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
     "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4",
 ]

@@ -36,10 +36,20 @@ NVFP4 (NVIDIA's two-level FP4: Transformer Engine's NVFP4BlockScaling, torchao's
   orthogonal H on the token dimension. H is block diagonal with 16 x 16 blocks D * Had16 / 4 (Had16 the Sylvester
   Hadamard matrix, D a diagonal of signs drawn from a fixed seed: reproducible, the same in every process). It spreads
   one large token over its 16-token block before the blocks are quantized, so fewer of the others underflow. Tokens
-  are zero-padded to a multiple of 16 (zero tokens add nothing to dW).
+  are zero-padded to a multiple of 16 (zero tokens add nothing to dW). Its float32 arithmetic is fixed, so that every
+  implementation gives the same bits: each token times its sign (exact), the Walsh-Hadamard butterflies on pairs of
+  tokens 1, 2, 4 then 8 apart ((a, b) -> (a + b, a - b), one IEEE addition each), then times 1/4 (`hadamard_transform`).
+- stochastic rounding's uniform numbers come from a Philox4x32-10 counter stream (`philox_uniform`): the stream of
+  Triton's `tl.rand(seed, offset)` with a 64-bit seed and 64-bit offsets, computed here with torch integer ops, so the
+  fused kernel and this definition draw the same number for the same (seed, offset). A cast draws one number per
+  element of each layout it writes, at consecutive offsets (row layout first, row-major; then the transposed layout),
+  from the offset its caller's stream state holds (kernels/microscaled_ops.py).
+- a NaN element rounds to the FP4 code 0 (its block's scale carries the NaN: FP4 has no NaN, and the sign of a NaN is
+  not the same on every device).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -52,7 +62,8 @@ Tensor = torch.Tensor
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
-E8M0 = torch.float8_e8m0fnu
+#: None on a torch without it (before 2.7): the MX casts are then unavailable, the rest of the module imports
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 #: NVFP4's second level: the per-tensor scale spreads the tensor's amax over the E4M3 block scales' range
@@ -107,34 +118,48 @@ def dequantize_mx(q: Tensor, scales: Tensor, tile: Sequence[int]) -> Tensor:
 def fp4_codes(v: Tensor, noise: Optional[Tensor] = None) -> Tensor:
     """E2M1 codes (uint8 0..15, sign in bit 3) of float32 values already in [-6, 6]: round to nearest even, or with
     `noise` (uniform [0, 1), v's shape) stochastically to one of the two neighbours, unbiased (up where noise < the
-    distance to the lower one over the gap). A NaN rounds to a zero (of its sign bit): FP4 has no NaN, the block scale
-    carries it."""
+    distance to the lower one over the gap). A NaN rounds to the code 0 (module docstring)."""
     magnitude = v.abs().to(torch.float32)
     if noise is None:
         # the number of thresholds passed, in one pass: bucketize counts boundaries strictly below each value, so a
         # ">=" threshold (tie up) becomes "> the float32 just below it" (exact for float32 values)
-        code = torch.bucketize(magnitude, _fp4_boundaries(v.device)).to(torch.uint8)
+        code = torch.bucketize(magnitude, _fp4_table("boundaries", v.device)).to(torch.uint8)
     else:
-        table = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32, device=v.device)
+        table = _fp4_table("magnitudes", v.device)
         lower = torch.bucketize(magnitude, table[1:], right=True)  # the number of grid values <= magnitude
         upper = (lower + 1).clamp(max=len(FP4_MAGNITUDES) - 1)
         lo, hi = table[lower], table[upper]
         gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
         up = noise < (magnitude - lo) / gap
         code = torch.where(up & (hi > lo), upper, lower).to(torch.uint8)
-    return code | (torch.signbit(v).to(torch.uint8) << 3)
+    code = code | (torch.signbit(v).to(torch.uint8) << 3)
+    return torch.where(torch.isnan(v), torch.zeros_like(code), code)
 
 
-def _fp4_boundaries(device) -> Tensor:
-    edges = torch.tensor([t for t, _ in _FP4_TIES], dtype=torch.float32)
-    tie_up = torch.tensor([up for _, up in _FP4_TIES])
-    return torch.where(tie_up, torch.nextafter(edges, torch.zeros_like(edges)), edges).to(device)
+_FP4_TABLES: dict = {}
+
+
+def _fp4_table(name: str, device) -> Tensor:
+    """The constant tables of the FP4 casts, built once per device (nothing is rebuilt per cast): "boundaries" (the
+    round-to-nearest-even thresholds as bucketize boundaries), "magnitudes" (the 8 magnitudes), "values" (the 16
+    codes' values)."""
+    key = (name, str(device))
+    if key not in _FP4_TABLES:
+        if name == "boundaries":
+            edges = torch.tensor([t for t, _ in _FP4_TIES], dtype=torch.float32)
+            tie_up = torch.tensor([up for _, up in _FP4_TIES])
+            table = torch.where(tie_up, torch.nextafter(edges, torch.zeros_like(edges)), edges)
+        elif name == "magnitudes":
+            table = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32)
+        else:
+            table = torch.tensor(FP4_MAGNITUDES + tuple(-m for m in FP4_MAGNITUDES), dtype=torch.float32)
+        _FP4_TABLES[key] = table.to(device)
+    return _FP4_TABLES[key]
 
 
 def fp4_values(codes: Tensor) -> Tensor:
     """float32 value of each E2M1 code (uint8 0..15)."""
-    table = torch.tensor(FP4_MAGNITUDES + tuple(-m for m in FP4_MAGNITUDES), dtype=torch.float32, device=codes.device)
-    return table[codes.to(torch.int64)]
+    return _fp4_table("values", codes.device)[codes.to(torch.int64)]
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -195,29 +220,122 @@ def dequantize_nvfp4(packed: Tensor, scales: Tensor, tensor_scale: Tensor, tile:
 
 
 # -- the random Hadamard transform -------------------------------------------------------------------------------
+#: the signs of the transform's diagonal D: the draw of `hadamard_signs` from HADAMARD_SEED, written out so that no
+#: cast ever draws them (tests/test_microscaling.py checks the two agree)
+HADAMARD_SIGNS = (-1, 1, 1, -1, 1, 1, 1, 1, 1, 1, 1, -1, -1, 1, -1, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_signs(size: int = HADAMARD_SIZE, seed: int = HADAMARD_SEED) -> Tuple[int, ...]:
+    """The diagonal D of the transform: `size` signs (+1 / -1) drawn from a fixed seed (module docstring); the default
+    transform's are `HADAMARD_SIGNS`."""
+    if (size, seed) == (HADAMARD_SIZE, HADAMARD_SEED):
+        return HADAMARD_SIGNS
+    draws = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed))
+    return tuple(int(v) * 2 - 1 for v in draws.tolist())
+
+
+def hadamard_sign_mask(size: int = HADAMARD_SIZE, seed: int = HADAMARD_SEED) -> int:
+    """The signs as a bit mask (bit t set where token t of a block is negated): how the fused kernel holds them."""
+    return sum(1 << t for t, sign in enumerate(hadamard_signs(size, seed)) if sign < 0)
+
+
 def hadamard_matrix(size: int = HADAMARD_SIZE, seed: int = HADAMARD_SEED) -> Tensor:
     """D * Had / sqrt(size), float32 (size x size, orthogonal): Sylvester's Hadamard matrix with its rows' signs
-    flipped by a fixed random draw (module docstring)."""
+    flipped by a fixed random draw (module docstring). `hadamard_transform` applies it without forming it."""
     had = torch.ones(1, 1)
     while had.shape[0] < size:
         had = torch.cat([torch.cat([had, had], 1), torch.cat([had, -had], 1)], 0)
     if had.shape[0] != size:
         raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {size}")
-    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    signs = torch.tensor(hadamard_signs(size, seed), dtype=torch.float32)
     return signs.unsqueeze(1) * had / math.sqrt(size)
 
 
-def hadamard_transform(x: Tensor, matrix: Optional[Tensor] = None) -> Tensor:
-    """x (rows, n) times the block-diagonal transform along its last dimension, float32: each run of 16 columns times
-    H (n zero-padded to a multiple of 16 first)."""
-    h = (matrix if matrix is not None else hadamard_matrix()).to(device=x.device)
-    size = h.shape[0]
+_SIGNS: dict = {}
+
+
+def _signs_on(device) -> Tensor:
+    """The signs as a float32 tensor on `device`, built once per device."""
+    key = str(device)
+    if key not in _SIGNS:
+        _SIGNS[key] = torch.tensor(hadamard_signs(), dtype=torch.float32).to(device)
+    return _SIGNS[key]
+
+
+def hadamard_transform(x: Tensor) -> Tensor:
+    """x (rows, n) times the block-diagonal transform along its last dimension, float32 (rows, ceil16(n)): each run of
+    16 columns (n zero-padded to a multiple of 16 first) times H = D * Had16 / 4, in the fixed order of the module
+    docstring: signs, butterflies on pairs 1, 2, 4, 8 apart, times 1/4. Equals `x @ hadamard_matrix()` per block up to
+    float32 rounding."""
+    size = HADAMARD_SIZE
     rows, n = x.shape
     padded = -(-n // size) * size
-    x32 = x.to(torch.float32).contiguous()  # a transposed view would make the batched matmul strided (far slower)
+    x32 = x.to(torch.float32).contiguous()
     if padded != n:
         x32 = torch.nn.functional.pad(x32, (0, padded - n))
-    return (x32.view(rows * (padded // size), size) @ h).view(rows, padded)
+    y = x32.view(-1, size) * _signs_on(x.device)  # exact
+    h = 1
+    while h < size:
+        y = y.view(-1, size // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2)
+        h *= 2
+    return y.reshape(rows, padded) * 0.25
+
+
+# -- the random stream of stochastic rounding ---------------------------------------------------------------------
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_ROUNDS = 10
+_U32 = 0xFFFFFFFF
+#: numbers drawn per pass of `philox_uniform` (its int64 temporaries are ~100 bytes per number)
+_PHILOX_CHUNK = 1 << 22
+#: Triton's uint_to_uniform_float scale for 32-bit draws: the largest float32 with (2^31 - 1) * scale < 1
+_UNIFORM_SCALE = 4.6566127342e-10
+
+
+def _mulhilo(constant: int, c: Tensor) -> Tuple[Tensor, Tensor]:
+    """(high, low) 32 bits of constant * c for a 32-bit constant and int64 tensors holding 32-bit values, without an
+    int64 overflow (the constant split into 16-bit halves)."""
+    p1 = c * (constant >> 16)  # < 2^48
+    p0 = c * (constant & 0xFFFF)  # < 2^48
+    high = (p1 + (p0 >> 16)) >> 16
+    low = (((p1 & 0xFFFF) << 16) + p0) & _U32
+    return high, low
+
+
+def philox4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: Tensor,
+               rounds: int = PHILOX_ROUNDS) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011; Random123's philox4x32_10 and
+    Triton's `philox_impl`): the four 32-bit output words of counter (c0, c1, c2, c3) under key (k0, k1), every word an
+    int64 tensor holding a 32-bit value."""
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed, offsets: Tensor) -> Tensor:
+    """Uniform float32 numbers in [0, 1), one per int64 offset: Triton's `tl.rand(seed, offset)` (Philox4x32-10 with
+    key (seed low 32 bits, seed high 32 bits) and counter (offset low 32 bits, offset high 32 bits, 0, 0); the first
+    word, read as an int32 x, mapped to (x < 0 ? ~x : x) * 4.6566127342e-10 in float32), in torch integer ops. `seed`:
+    an int or an int64 0-d tensor (on offsets' device)."""
+    offsets = offsets.to(torch.int64)
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=offsets.device)
+    if offsets.numel() > _PHILOX_CHUNK:  # bounded temporaries (a dozen int64 words per element while it runs)
+        flat = offsets.reshape(-1)
+        out = torch.empty(flat.shape, dtype=torch.float32, device=offsets.device)
+        for start in range(0, flat.numel(), _PHILOX_CHUNK):
+            out[start:start + _PHILOX_CHUNK] = philox_uniform(seed, flat[start:start + _PHILOX_CHUNK])
+        return out.view(offsets.shape)
+    zero = torch.zeros_like(offsets)
+    word, _, _, _ = philox4x32(offsets & _U32, (offsets >> 32) & _U32, zero, zero, seed & _U32, (seed >> 32) & _U32)
+    signed = torch.where(word >= 2**31, word - 2**32, word)
+    magnitude = torch.where(signed < 0, ~signed, signed)
+    return magnitude.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=offsets.device)
 
 
 # -- helpers and the GEMM ----------------------------------------------------------------------------------------
@@ -292,6 +410,7 @@ def _tensor_scale_product(a_scale: Optional[Tensor], b_scale: Optional[Tensor], 
 __all__ = [
     "MX_BLOCK", "NVFP4_BLOCK", "E8M0", "HADAMARD_SEED", "FP4_MAGNITUDES", "mx_scales", "e8m0_reciprocal",
     "quantize_mx", "dequantize_mx", "fp4_codes", "fp4_values", "pack_fp4", "unpack_fp4", "nvfp4_tensor_scale",
-    "nvfp4_block_scales", "quantize_nvfp4", "dequantize_nvfp4", "hadamard_matrix", "hadamard_transform", "per_tile",
+    "nvfp4_block_scales", "quantize_nvfp4", "dequantize_nvfp4", "hadamard_signs", "hadamard_sign_mask",
+    "hadamard_matrix", "hadamard_transform", "philox4x32", "philox_uniform", "per_tile",
     "operand_values", "gemm_reference",
 ]
