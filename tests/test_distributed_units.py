@@ -180,3 +180,119 @@ def test_writes_to_an_fp8_all_gather_weight_are_counted_through_views_not_copies
     assert writes[0] == 4 and copy._writes[0] == 0
     weight.sum(), weight.abs()  # reads count nothing
     assert writes[0] == 4
+
+
+# -- a one-rank gloo group: DTensor losses, torch's styles on FP8 layers ------------------------------------------
+@pytest.fixture
+def gloo_one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_engine_takes_a_dtensor_loss_by_the_value_every_rank_holds(gloo_one_rank):
+    """A loss computed under torch's loss_parallel() is a replicated DTensor: the engine records its local value
+    (before: `aten.cat.default got mixed torch.Tensor and DTensor` when the decision's flags were read); a NaN one
+    still skips the step and rolls back. A DTensor that is not replicated everywhere is read whole (full_tensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from lightning_fp8 import FP8Recipe
+    from lightning_fp8.engine.checks import plain_value
+    from lightning_fp8.engine.engine import FP8TrainingEngine
+
+    mesh = init_device_mesh("cpu", (1,))
+    model = convert_to_fp8(_mlp(), FP8Recipe(keep_first_last_in_bf16=False), verbose=False)
+    engine = FP8TrainingEngine(FP8Recipe(keep_first_last_in_bf16=False))
+    engine.attach(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine.track([optimizer])
+    for step in range(3):
+        engine.begin_iteration()
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast():
+            loss = model(torch.randn(8, 32)).float().pow(2).mean()
+        if step == 1:
+            loss = loss + float("nan")
+        loss = DTensor.from_local(loss, mesh, (Replicate(),), run_check=False)
+        engine.scale_loss(loss).backward()
+        engine.step(optimizer, optimizer.step)
+        optimizer.zero_grad()
+    engine.end_iteration()
+    assert engine.step_count == 3 and engine.skipped_steps == 1 and engine.rollbacks == 1
+    sharded = DTensor.from_local(torch.arange(4.0), mesh, (Shard(0),), run_check=False)
+    assert torch.equal(plain_value(sharded), torch.arange(4.0)) and not hasattr(plain_value(sharded), "placements")
+
+
+def test_torch_rowwise_parallel_splits_an_fp8_layer_as_it_splits_nn_linear(gloo_one_rank):
+    """torch's RowwiseParallel on a converted layer (the FP8 metadata submodule holds no weight to shard): the same
+    parameters and outputs as lightning_fp8's FP8RowwiseParallel. Before: "torch's RowwiseParallel was applied to an
+    FP8 layer"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_fp8 import FP8Recipe
+    from lightning_fp8.distributed import FP8ColwiseParallel, FP8RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (1,))
+    recipe = FP8Recipe(keep_first_last_in_bf16=False)
+    plain = convert_to_fp8(_mlp(), recipe, verbose=False)
+    fp8 = convert_to_fp8(_mlp(), recipe, verbose=False)
+    parallelize_module(plain, mesh, {"2": ColwiseParallel(), "4": RowwiseParallel()})
+    parallelize_module(fp8, mesh, {"2": FP8ColwiseParallel(), "4": FP8RowwiseParallel()})
+    assert plain[4].weight.placements == fp8[4].weight.placements
+    assert type(plain[4].fp8_meta.weight).__name__ == "RoleState"  # the metadata's role view, left alone
+    x = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast():
+        assert torch.equal(plain(x), fp8(x))
+
+
+def test_the_conversion_summary_is_logged_once_per_set_of_layers():
+    """A model summarized when its inner model was converted (convert_for_fsdp in configure_model, then the
+    strategy's conversion of the LightningModule) is not summarized again; another model is."""
+    from lightning_fp8.integrations._core import FP8PrecisionCore
+
+    logged = []
+    core = FP8PrecisionCore()
+    core._rank_zero_info = lambda message: logged.append(message)
+    inner = _mlp()
+    core.convert_module(inner)
+    core.convert_module(nn.Sequential(inner))  # the wrapper holds the same FP8 layers
+    assert sum("linear layers run in FP8" in m for m in logged) == 1
+    core.convert_module(_mlp())
+    assert sum("linear layers run in FP8" in m for m in logged) == 2
+    core._summary_deferred = True  # the Lightning plugin, from before configure_model to the strategy's conversion
+    assert core.log_summary(_mlp()) is False
+
+
+def test_linear_layers_built_in_module_init_context_are_fp8_layers_decided_by_the_rules():
+    """Inside the plugins' module_init_context `nn.Linear(...)` builds an FP8Linear (as Lightning's TE plugin builds
+    te.Linear); isinstance checks against nn.Linear hold for every linear layer, and a class derived inside is a plain
+    nn.Linear subclass. The next conversion decides those layers with every rule: the same FP8 layers, reasons and
+    weights as converting the same model built outside."""
+    from lightning_fp8 import fp8_layers, precision_map
+    from lightning_fp8.integrations._construction import CONSTRUCTED_ATTR
+    from lightning_fp8.modules.linear import FP8Linear
+
+    original = nn.Linear
+    before = nn.Linear(4, 4)
+    plugin = FabricFP8Precision()
+    with plugin.module_init_context():
+        assert torch.nn.Linear is not original
+        torch.manual_seed(0)
+        built = _mlp()
+        assert isinstance(built[0], FP8Linear) and built[0].__dict__[CONSTRUCTED_ATTR]
+        assert isinstance(before, nn.Linear) and isinstance(built[0], nn.Linear) and issubclass(FP8Linear, nn.Linear)
+
+        class Derived(nn.Linear):
+            pass
+
+        assert type(Derived(4, 4)) is Derived
+    assert torch.nn.Linear is original and nn.Linear is original
+    plugin.convert_module(built)
+    reference = FabricFP8Precision().convert_module(_mlp())
+    rows, expected = precision_map(built), precision_map(reference)
+    assert [(r.fqn, r.precision, r.reason) for r in rows] == [(r.fqn, r.precision, r.reason) for r in expected]
+    assert sorted(fp8_layers(built)) == ["2", "4"] and type(built[0]) is original
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), reference.parameters()))

@@ -51,6 +51,7 @@ def test_lightning_fsdp2_x_tp_takes_faults_on_every_rank_and_resumes_bit_identic
         # rank 0's NaN loss, rank 1's inf gradient, injected where no collective carries them to another rank
         assert r["skips"] == [2, 4] and r["rollbacks"] == [2] and r["loss_scale"] < 2.0**8
     assert results[0]["ckpt_is_dir"]  # a distributed checkpoint
+    assert [r["summaries"] for r in results] == [1] * RANKS  # one conversion summary per run (was two)
     # the TP-sharded weight is sharded again by FSDP2 and all-gathered in FP8
     assert results[0]["fc1_placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert results[0]["fc1_local"] == "FP8AllGatherWeight"

@@ -62,9 +62,9 @@ def test_lightning_tensor_parallel_trains_and_every_rank_takes_a_skip_and_a_roll
 
 
 def test_a_plain_torch_plan_trains_and_matches_the_fp8_styles_bit_for_bit(runs):
-    """torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput applied to the unconverted model in
-    configure_model, the plugin converting afterwards: it trains, the summary names torch's styles, and it computes
-    exactly what lightning_fp8's styles compute (they move FP8 bytes, not other values)."""
+    """torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput in configure_model, on the layers the plugin
+    converted before it: it trains, the summary names torch's styles, and it computes exactly what lightning_fp8's
+    styles compute (they move FP8 bytes, not other values)."""
     plain, fp8 = runs("lightning_tp_torch_styles"), runs("lightning_tp")
     for r in plain:
         assert r["skips"] == SKIPS and r["rollbacks"] == ROLLBACKS and r["fc1"] == "FP8Linear"
@@ -144,13 +144,18 @@ def test_layers_not_casting_per_tensor_in_fp8_communicate_in_high_precision_and_
 
 def test_plans_that_cannot_be_right_are_refused_with_what_to_use(runs):
     for r in runs("tp_errors"):
-        assert "FP8RowwiseParallel (same arguments)" in r["torch_rowwise"]
-        # under Fabric (it converts before the parallelize function) the refusal says that FP8RowwiseParallel is
-        # the only way there, not "apply torch's plan before conversion", which a Fabric user cannot do
-        fabric = r["fabric_torch_rowwise"]
-        assert "FP8RowwiseParallel (same arguments) in its place" in fabric, fabric
-        assert "Under Fabric's ModelParallelStrategy that is the only way" in fabric, fabric
         assert "Only FP8 layers parallelized with FP8ColwiseParallel may read it" in r["torch_reader"]
+
+
+def test_torch_styles_split_converted_layers_as_lightning_fp8s_styles_do(runs):
+    """torch's RowwiseParallel / ColwiseParallel / PrepareModuleInput on FP8 layers (the plugins convert before the
+    user's parallelize code): bit for bit what lightning_fp8's styles compute, and a Fabric parallelize function
+    written with torch's styles trains."""
+    for r in runs("torch_styles_on_fp8_layers"):
+        assert r["train_0"] and r["train_1"] and r["train_2"]
+        assert "rowwise (RowwiseParallel, high-precision communication)" in r["summary"]
+        losses = torch.tensor(r["fabric_losses"])
+        assert len(losses) == 3 and torch.isfinite(losses).all()
 
 
 def test_fabric_adopts_the_styles_at_the_first_forward_and_reports_them(runs):

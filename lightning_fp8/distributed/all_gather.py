@@ -85,6 +85,9 @@ _AMAX_ATTR = "_fp8_all_gather_amax"
 _BATCH_ATTR = "_fp8_all_gather_batch"
 #: (shard, group ranks) of a layer's last gather: its shard while FSDP2 holds it unsharded, the group FSDP2 gathers on
 _SHARD_ATTR = "_fp8_all_gather_shard"
+#: set on a layer whose weight gathers in high precision although it is an FP8AllGatherWeight: the conversion rules
+#: kept the layer in BF16 after FSDP2 had sharded it (`gather_in_high_precision`)
+_HIGH_PRECISION_ATTR = "_fp8_all_gather_high_precision"
 
 
 class FP8AllGatherWeight(torch.Tensor):
@@ -160,6 +163,15 @@ class FP8AllGatherWeight(torch.Tensor):
                 "lightning_fp8: FP8 all-gather supports FSDP2's default Shard(0) placement only; this weight is sharded "
                 f"as {tuple(local.shape)} of {tuple(outer_size)}. Use fp8_all_gather=False for this model."
             )
+        padded_rows = math.ceil(outer_size[0] / world)
+        if _HIGH_PRECISION_ATTR in layer.__dict__:
+            # a layer the conversion rules kept in BF16 after it was sharded (built inside configure_model): FSDP2's
+            # own gather, in its param_dtype, 2 bytes per element under BF16 mixed precision, never FP8 as well
+            dtype = getattr(mp_policy, "param_dtype", None) or local.dtype
+            data = local.to(dtype)
+            if local.shape[0] != padded_rows:
+                data = torch.cat([data, data.new_zeros((padded_rows - local.shape[0], *local.shape[1:]))])
+            return (data,), None
         record = layer.training
         autocast_state = current_state()
         if not _in_backward() and layer.fp8_enabled and autocast_state.enabled and not autocast_state.calibrating:
@@ -175,7 +187,6 @@ class FP8AllGatherWeight(torch.Tensor):
         history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
         scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
                            cast_key.power_of_2)
-        padded_rows = math.ceil(outer_size[0] / world)
         if local.shape[0] != padded_rows:  # uneven sharding: every rank sends the padded shard size
             padded = local.new_zeros((padded_rows, *local.shape[1:]))
             padded[: local.shape[0]].copy_(local)
@@ -189,6 +200,8 @@ class FP8AllGatherWeight(torch.Tensor):
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
         """The unsharded weight: a PrecastFP8Weight over the gathered bytes (FSDP2 narrows the padding away)."""
         (data,) = all_gather_outputs
+        if metadata is None:  # the high-precision gather (fsdp_pre_all_gather): the gathered rows are the weight
+            return None if out is not None else (data, (data,))
         # the scale and amax were made on FSDP2's copy-in stream and are read here on the current one; FSDP2 drops the
         # metadata when this returns, so the caching allocator could hand their memory to the next layer's copy-in
         # before the reads below ran: tie them to this stream
@@ -495,21 +508,73 @@ def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
     decisions: Dict[str, Optional[str]] = {}
     batch: List[nn.Module] = []  # the layers enabled here: one amax agreement covers them all
     for fqn, layer in fp8_layers(model).items():
-        if uses_fp8_all_gather(layer):
-            decisions[fqn] = None
-            continue
-        reason = _ineligible_reason(layer, fqn, users)
-        decisions[fqn] = reason
-        if reason is not None:
-            layer.__dict__[_REASON_ATTR] = reason
-            continue
-        layer.__dict__.pop(_REASON_ATTR, None)
-        weight = layer.weight
-        layer.weight = nn.Parameter(_with_fp8_all_gather(weight.detach()), requires_grad=weight.requires_grad)
-        layer.__dict__[_BATCH_ATTR] = batch
-        batch.append(layer)
-    _watch_optimizer_steps()
+        decisions[fqn] = enable_fp8_all_gather_layer(layer, batch, users, fqn)
     return decisions
+
+
+def enable_fp8_all_gather_layer(layer: FP8Layer, batch: List[nn.Module], users: Optional[Dict[int, int]] = None,
+                                fqn: str = "") -> Optional[str]:
+    """`enable_fp8_all_gather` for one FP8 layer, joining `batch` (the layers whose weight amaxes one agreement
+    covers; share one list between the layers of a model). `users`: how many modules use each Parameter (id -> count),
+    for the tied-weights rule; default: the layer's own. Returns None (FP8 all-gather) or the reason it is not."""
+    if uses_fp8_all_gather(layer):
+        return None
+    if users is None:
+        users = {id(p): 1 for p in layer.parameters()}
+    reason = _ineligible_reason(layer, fqn, users)
+    if reason is not None:
+        layer.__dict__[_REASON_ATTR] = reason
+        return reason
+    layer.__dict__.pop(_REASON_ATTR, None)
+    weight = layer.weight
+    layer.weight = nn.Parameter(_with_fp8_all_gather(weight.detach()), requires_grad=weight.requires_grad)
+    layer.__dict__[_BATCH_ATTR] = batch
+    batch.append(layer)
+    _watch_optimizer_steps()
+    return None
+
+
+def disable_fp8_all_gather(model: nn.Module) -> int:
+    """Undo `enable_fp8_all_gather` on a model FSDP2 did not shard (the plugins enable it before the user's sharding
+    code runs, which may apply tensor parallelism alone): the weights become plain Parameters over the same data again
+    (a tensor-parallel DTensor keeps its placements), so no op goes through the all-gather subclass for nothing. Before
+    the optimizer is built (the Parameters are new objects). Returns how many layers changed."""
+    from lightning_fp8.distributed.sharding import is_fsdp_sharded
+
+    if is_fsdp_sharded(model):
+        raise RuntimeError("lightning_fp8: disable_fp8_all_gather is for models FSDP2 did not shard")
+    changed = 0
+    for layer in fp8_layers(model).values():
+        weight = layer.__dict__.get("_parameters", {}).get("weight")
+        local = weight.to_local() if is_dtensor(weight) else weight
+        for attr in (_BATCH_ATTR, _AMAX_ATTR, _SHARD_ATTR, _HIGH_PRECISION_ATTR):
+            layer.__dict__.pop(attr, None)
+        if not isinstance(local, FP8AllGatherWeight):
+            continue
+        if is_dtensor(weight):
+            from torch.distributed.tensor import DTensor
+
+            plain = DTensor.from_local(local._tensor, weight.device_mesh, weight.placements, run_check=False,
+                                       shape=weight.shape, stride=weight.stride())
+        else:
+            plain = local._tensor
+        layer.weight = nn.Parameter(plain, requires_grad=weight.requires_grad)
+        changed += 1
+    return changed
+
+
+def gather_in_high_precision(layer: FP8Layer, reason: str) -> None:
+    """An FP8-all-gather layer that will not compute in FP8 from its first forward on (the conversion rules kept it in
+    BF16 after FSDP2 had sharded it, so it could not be given back its plain class): FSDP2 gathers its weight in
+    high precision (its param_dtype), not in FP8 and then again in high precision as a BF16 fallback's would be.
+    Decided before the first all-gather and fixed from then on (FSDP2 sizes its buffers at the first gather);
+    `fp8_all_gather_reason(layer)` returns `reason`. If the layer is switched to FP8 later, it casts the gathered
+    high-precision weight itself."""
+    layer.__dict__[_HIGH_PRECISION_ATTR] = True
+    layer.__dict__[_REASON_ATTR] = reason
+    batch = layer.__dict__.pop(_BATCH_ATTR, None)
+    if batch is not None and layer in batch:
+        batch.remove(layer)
 
 
 def _with_fp8_all_gather(weight: torch.Tensor) -> torch.Tensor:
@@ -524,13 +589,22 @@ def _with_fp8_all_gather(weight: torch.Tensor) -> torch.Tensor:
 
 
 def uses_fp8_all_gather(layer: nn.Module) -> bool:
-    """Whether `layer`'s weight (sharded or not) gathers in FP8."""
-    weight = getattr(layer, "weight", None)
+    """Whether FSDP2 gathers `layer`'s weight in FP8: asked of the layer, whatever state FSDP2 holds the weight in at
+    the moment. Sharded, the weight is an FP8AllGatherWeight; gathered (between a forward and its backward, or after
+    a forward of a unit with `reshard_after_forward=False`, or of the root unit, which FSDP2 never reshards after
+    forward) it is the PrecastFP8Weight that gather produced, or the high-precision tensor of a layer kept in BF16
+    (`gather_in_high_precision`: False)."""
+    if _HIGH_PRECISION_ATTR in layer.__dict__:
+        return False
+    weight = layer.__dict__.get("_parameters", {}).get("weight")
     if weight is None:
         return False
-    local = weight.to_local() if hasattr(weight, "to_local") else weight
-    return isinstance(local, FP8AllGatherWeight)
+    local = weight.to_local() if is_dtensor(weight) else weight
+    if isinstance(local, FP8AllGatherWeight):
+        return True
+    # unsharded by FSDP2: the FP8 gather's output, on a layer enabled for it
+    return isinstance(local, PrecastFP8Weight) and _BATCH_ATTR in layer.__dict__
 
 
-__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes",
-           "uses_fp8_all_gather"]
+__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "enable_fp8_all_gather_layer", "disable_fp8_all_gather",
+           "gather_in_high_precision", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes", "uses_fp8_all_gather"]

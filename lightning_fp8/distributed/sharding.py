@@ -18,12 +18,13 @@ except Exception:  # pragma: no cover - builds without torch.distributed
 
 #: what the error message tells each framework's users to call in place of a late conversion
 _HOW_TO = (
-    "convert before sharding. With Lightning's ModelParallelStrategy the plugin does it before configure_model for "
-    "the layers the LightningModule holds by then (build the model in __init__, on the meta device with "
-    "`with trainer.init_module(empty_init=True):` for large ones); a model built inside configure_model needs "
-    "`self.trainer.precision_plugin.convert_for_fsdp(module)` there, before fully_shard. With Fabric's "
-    "ModelParallelStrategy the plugin converts before your parallelize_fn. With plain PyTorch call "
-    "convert_to_fp8(module) and lightning_fp8.distributed.enable_fp8_all_gather(module) before fully_shard."
+    "convert before sharding. With Lightning's ModelParallelStrategy the plugin converts the layers the LightningModule "
+    "holds before configure_model, and linear layers built inside configure_model through `torch.nn.Linear` are built "
+    "as FP8 layers; a layer of another class, or of a class bound before configure_model ran (`from torch.nn import "
+    "Linear` at import time), needs `self.trainer.precision_plugin.convert_for_fsdp(module)` in configure_model, "
+    "before fully_shard. With Fabric's ModelParallelStrategy the plugin converts before your parallelize_fn. With "
+    "plain PyTorch call convert_to_fp8(module) and lightning_fp8.distributed.enable_fp8_all_gather(module) before "
+    "fully_shard."
 )
 
 

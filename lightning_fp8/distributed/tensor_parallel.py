@@ -24,8 +24,12 @@ checkpoints and optimizers see what torch's styles produce. What differs:
   `gradient_communication="fp8"`;
 - every other redistribution is torch's, in high precision (the all-reduce of `output_layouts=Replicate()`, an
   input that is already replicated);
-- they leave the FP8 layer's metadata alone (torch's styles make its buffers replicated DTensors, and RowwiseParallel
-  fails on a converted layer: it shards a `weight` of every submodule, and the FP8 metadata submodule has none).
+- they leave the FP8 layer's metadata alone (torch's styles make its buffers replicated DTensors, which the plugins
+  and the layer's forward turn back into local tensors; torch's RowwiseParallel would shard a `weight` of every
+  submodule, which lightning_fp8.modules.tensor_parallel makes it skip for the FP8 metadata).
+
+torch's own styles split FP8 layers too, before or after conversion, with every collective in high precision (the
+layer computes in FP8 on its local shards all the same: lightning_fp8/modules/tensor_parallel.py).
 
 `gradient_communication=None` (the default) follows the FP8 plugin's `gradient_communication` once the plugin sets the
 model up ("bf16" without a plugin). The FP8 paths apply where the layer computes in FP8 with a per-tensor recipe;

@@ -17,6 +17,19 @@ from torch import nn
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
 from lightning_fp8.engine.host import to_host
+from lightning_fp8.modules.tensor_parallel import is_dtensor
+
+
+def plain_value(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a plain tensor: a DTensor (a loss computed under tensor parallelism's `loss_parallel()`, a norm of
+    sharded gradients) becomes its local tensor where every rank holds the whole value (Replicate on every mesh
+    dimension: nothing to communicate), else its full tensor (a collective, which every rank reaches here alike:
+    the engine records the loss at each backward). Any other tensor is returned as it is."""
+    if not is_dtensor(value):
+        return value
+    if all(placement.is_replicate() for placement in value.placements):
+        return value.to_local()
+    return value.full_tensor()
 
 
 class LossRecord:
@@ -29,7 +42,8 @@ class LossRecord:
         self._pending: Optional[float] = None
 
     def record(self, loss: torch.Tensor) -> None:
-        self._losses.append(loss.detach())
+        """Keep this backward's loss (detached; a DTensor loss as the plain value every rank agrees on)."""
+        self._losses.append(plain_value(loss.detach()))
 
     def clear(self) -> None:
         self._losses.clear()
@@ -100,11 +114,12 @@ class IterationFlags:
 
     def agree(self, name: str, flag: Optional[torch.Tensor], numel: int = 1) -> None:
         """`flag`, or `numel` zeros where this rank has nothing to flag (the ranks' vectors must match)."""
-        self._agreed.append((name, flag.detach().reshape(-1).float() if flag is not None else torch.zeros(numel)))
+        flag = plain_value(flag.detach()) if flag is not None else None
+        self._agreed.append((name, flag.reshape(-1).float() if flag is not None else torch.zeros(numel)))
 
     def local(self, name: str, value: Optional[torch.Tensor]) -> None:
         if value is not None:
-            self._local.append((name, value.detach().reshape(-1).float()))
+            self._local.append((name, plain_value(value.detach()).reshape(-1).float()))
 
     def read(self) -> Dict[str, List[float]]:
         parts = self._agreed + self._local
@@ -123,4 +138,4 @@ class IterationFlags:
         return out
 
 
-__all__ = ["LossRecord", "weights_nonfinite", "weights_finite", "IterationFlags"]
+__all__ = ["plain_value", "LossRecord", "weights_nonfinite", "weights_finite", "IterationFlags"]

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from lightning_fp8.conversion.convert import convert_to_fp8
+from lightning_fp8.conversion.convert import convert_to_fp8, fp8_layers
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import log_conversion_summary
@@ -27,6 +27,7 @@ from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.integrations import _rank_zero
+from lightning_fp8.integrations._construction import constructing_fp8_layers, settle_constructed_layers, suspended
 from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
 from lightning_fp8.integrations._options import UnsupportedOptions, recipe_choice, resolve_compute_dtype, validate_options
 from lightning_fp8.modules.autocast import fp8_autocast
@@ -112,8 +113,8 @@ class FP8PrecisionCore:
             fp8_all_gather: under FSDP2, all-gather the weights of FP8 layers in FP8 (1 byte per element instead of
                 2), each rank casting its shard with the scale all ranks share; applies to layers with a per-tensor
                 recipe (delayed or current scaling), others gather in high precision. The plugins convert the model
-                before the user's fully_shard (a model built inside configure_model: call
-                `precision.convert_for_fsdp(module)` there first). No effect without FSDP2.
+                before the user's fully_shard (a model built inside Lightning's configure_model is built with FP8
+                layers and FP8 all-gather weights). No effect without FSDP2.
             gradient_communication: "bf16" leaves gradient reduction to the framework, in high precision (DDP reduces
                 in the gradients' dtype, FSDP2 in its MixedPrecisionPolicy.reduce_dtype); "fp8" reduces gradients in
                 FP8 with a scale shared across ranks (a DDP comm hook, or FSDP2's reduce-scatter): half the bytes of
@@ -142,6 +143,12 @@ class FP8PrecisionCore:
         self.engine = FP8TrainingEngine(self.recipe, StabilityConfig.from_options(self.options),
                                         compute_dtype=self.compute_dtype)
         self._module: Optional[nn.Module] = None
+        #: the conversion summary: logged once per set of FP8 layers (`log_summary`); held back while True (the
+        #: Lightning plugin, from its conversion before configure_model until the strategy's conversion after it, so
+        #: the one summary shows how the user's sharding code split the layers)
+        self._summary_deferred = False
+        self._summarized_layers: set = set()
+        self._summarized_models: set = set()
         self._set_up_framework()
 
     def _set_up_framework(self) -> None:
@@ -173,20 +180,46 @@ class FP8PrecisionCore:
 
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Convert in place (some strategies ignore the return value); converting twice is a no-op."""
+        """Convert in place (some strategies ignore the return value); converting twice is a no-op. Layers built as
+        provisional FP8 layers inside `module_init_context` are decided here by the conversion rules
+        (integrations/_construction.py)."""
         if self.options.backend == "transformer_engine":
             return self._convert_module_te(module)
-        if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace now
-            return adopt_sharded_module(self, module)
-        module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
-                                verbose=False)
-        if module is not self._module:  # the conversion summary, once per model, on rank zero
-            log_conversion_summary(module, info=self._rank_zero_info, warn=self._rank_zero_warn, note=self.recipe_note())
+        with suspended():  # the library's own nn.Linear calls build torch's class, inside module_init_context too
+            settle_constructed_layers(self, module)
+            if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace
+                return adopt_sharded_module(self, module)
+            module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
+                                    verbose=False)
+        self.log_summary(module)
         exclude_fp8_meta_from_ddp_broadcast(module)
         adopt_tensor_parallel(self, module)
         self._module = module
         self.engine.attach(module)
         return module
+
+    def log_summary(self, module: nn.Module) -> bool:
+        """The conversion summary of `module`, on rank zero, once per run: not again for a model whose FP8 layers a
+        summary covered already (the LightningModule after its inner model, a model converted again), nor while
+        deferred. Returns whether it logged."""
+        if self._summary_deferred:
+            return False
+        layers = {id(layer) for layer in fp8_layers(module).values()}
+        if (layers and layers <= self._summarized_layers) or (not layers and id(module) in self._summarized_models):
+            return False
+        log_conversion_summary(module, info=self._rank_zero_info, warn=self._rank_zero_warn, note=self.recipe_note())
+        self._summarized_layers |= layers
+        self._summarized_models.add(id(module))
+        return True
+
+    @contextlib.contextmanager
+    def module_init_context(self) -> Iterator[None]:
+        """While a model is built under it (Lightning's configure_model, Fabric's init_module), `torch.nn.Linear`
+        builds FP8 layers, decided by the conversion rules at the next conversion call
+        (integrations/_construction.py), as Lightning's TransformerEnginePrecision builds te.Linear."""
+        framework = getattr(super(), "module_init_context", None)  # the framework's Precision (a bare core: none)
+        with (framework() if framework is not None else contextlib.nullcontext()), constructing_fp8_layers(self):
+            yield
 
     def recipe_note(self) -> Optional[str]:
         """The conversion summary's line on the recipe: what recipe="auto" chose, for which device, and why."""

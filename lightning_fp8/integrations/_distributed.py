@@ -4,7 +4,11 @@
                                               (fp8_all_gather=True)
     prepare_for_sharding(core, module)        the same, called by the plugins themselves right before the user's
                                               sharding code runs (Lightning's configure_model, Fabric's
-                                              parallelize_fn), when the model holds layers that would convert
+                                              parallelize_fn), when the model holds layers that would convert;
+                                              the user's code may then apply tensor parallelism (torch's styles or
+                                              lightning_fp8's) and / or fully_shard
+    release_unsharded(core, module)           after the user's sharding code: FP8 all-gather weights back to plain
+                                              weights where FSDP2 did not shard (tensor parallelism alone)
     adopt_sharded_module(core, module)        the framework's own conversion call on a model already sharded:
                                               nothing may be replaced any more; refuse an unconverted model,
                                               otherwise attach the engine
@@ -27,12 +31,17 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fp8.conversion.convert import fp8_layers, plan_conversion
-from lightning_fp8.conversion.summary import log_conversion_summary
-from lightning_fp8.distributed.all_gather import enable_fp8_all_gather, fp8_all_gather_reason, uses_fp8_all_gather
+from lightning_fp8.distributed.all_gather import (
+    disable_fp8_all_gather,
+    enable_fp8_all_gather,
+    fp8_all_gather_reason,
+    uses_fp8_all_gather,
+)
 from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
 from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
 from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
+from lightning_fp8.integrations._construction import suspended
 from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,29 +71,42 @@ def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
     module = core.convert_module(module)
     if core.options.fp8_all_gather:
         decisions = enable_fp8_all_gather(module)
-        _log_all_gather(core, decisions)
+        if not core._summary_deferred:  # deferred: the strategy's conversion logs it with the summary, if FSDP2 sharded
+            _log_all_gather(core, decisions)
     return module
 
 
 def prepare_for_sharding(core: "FP8PrecisionCore", module: nn.Module) -> bool:
     """What the plugins do right before the user's sharding code runs (Lightning: `configure_model` under
-    ModelParallelStrategy; Fabric: the strategy's `parallelize_fn`): `convert_for_fsdp(module)`, so the documented
-    FSDP2 pattern (fully_shard in configure_model / parallelize_fn) trains in FP8 with FP8 all-gather and no extra
-    line. Only for a model not sharded yet that holds linear layers the recipe would convert (a model built inside
-    configure_model does not exist yet: it needs `convert_for_fsdp` before its fully_shard, and the strategy's
-    conversion afterwards says so). Returns whether it converted."""
+    ModelParallelStrategy; Fabric: the strategy's `parallelize_fn`), whatever the mesh (FSDP2, tensor parallelism,
+    both): `convert_for_fsdp(module)`, so the documented patterns (fully_shard and / or a tensor-parallel plan with
+    torch's or lightning_fp8's styles in configure_model / parallelize_fn) train in FP8 with FP8 all-gather and no
+    extra line. Only for a model not sharded yet that holds linear layers the recipe would convert (a model built
+    inside configure_model does not exist yet: its layers are built as FP8 layers, integrations/_construction.py).
+    Returns whether it converted. `release_unsharded` afterwards undoes the FP8 all-gather weights where FSDP2 did
+    not shard."""
     from lightning_fp8.conversion.convert import is_converted, precision_map
 
     if (is_fsdp_sharded(module) or getattr(core, "_sharding_root", None) is not None
             or core.options.backend != "lightning_fp8"):  # the TE backend refuses FSDP2 at the strategy's conversion
         return False
-    if not is_converted(module):
-        preview = precision_map(module, core.recipe, core.module_filter)
-        if not any(row.precision == "fp8" for row in preview if row.preview):
-            return False
-    convert_for_fsdp(core, module)
+    with suspended():
+        if not is_converted(module):
+            preview = precision_map(module, core.recipe, core.module_filter)
+            if not any(row.precision != "bf16" for row in preview if row.preview):  # a preview row that would convert
+                return False
+        convert_for_fsdp(core, module)
     core._sharding_root = module
     return True
+
+
+def release_unsharded(core: "FP8PrecisionCore", module: nn.Module) -> int:
+    """After the user's sharding code: where FSDP2 did not shard `module` (tensor parallelism alone, or nothing), the
+    FP8 all-gather weights `prepare_for_sharding` (or layers built for it) installed are plain weights again: no op
+    goes through the all-gather subclass for nothing. Returns how many layers changed."""
+    if is_fsdp_sharded(module):
+        return 0
+    return disable_fp8_all_gather(module)
 
 
 def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
@@ -97,8 +119,9 @@ def adopt_sharded_module(core: "FP8PrecisionCore", module: nn.Module) -> nn.Modu
         check_convertible(module, pending)
     warn_if_gathered_in_high_precision(core, module)
     adopt_tensor_parallel(core, module)
-    if module is not core._module:  # the conversion summary, once per model, as convert_module logs it
-        log_conversion_summary(module, info=core._rank_zero_info, warn=core._rank_zero_warn, note=core.recipe_note())
+    if core.log_summary(module) and core.options.fp8_all_gather:  # once per run, and after a deferred conversion
+        _log_all_gather(core, {fqn: None if uses_fp8_all_gather(layer) else fp8_all_gather_reason(layer) or
+                               "converted without FP8 all-gather" for fqn, layer in fp8_layers(module).items()})
     core._module = module
     core.engine.attach(module)
     return module
@@ -171,5 +194,5 @@ def _log_all_gather(core: "FP8PrecisionCore", decisions: Dict[str, Optional[str]
     core._rank_zero_info(message)
 
 
-__all__ = ["convert_for_fsdp", "prepare_for_sharding", "adopt_sharded_module", "register_gradient_communication",
-           "warn_if_gathered_in_high_precision", "adopt_tensor_parallel"]
+__all__ = ["convert_for_fsdp", "prepare_for_sharding", "release_unsharded", "adopt_sharded_module",
+           "register_gradient_communication", "warn_if_gathered_in_high_precision", "adopt_tensor_parallel"]

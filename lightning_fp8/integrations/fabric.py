@@ -41,6 +41,7 @@ from lightning_fp8.integrations._distributed import (
     adopt_tensor_parallel,
     prepare_for_sharding,
     register_gradient_communication,
+    release_unsharded,
     warn_if_gathered_in_high_precision,
 )
 
@@ -155,8 +156,9 @@ def _convert_before_parallelize() -> None:
     parallelize_fn, when its precision is an FP8 plugin. Fabric converts a module (`convert_module`) before
     `strategy.setup_module` calls parallelize_fn, but hands the precision plugin neither the strategy nor a call in
     between, and FP8 all-gather must be installed before fully_shard; so `setup_module` of that one class is wrapped,
-    once per process, and does the extra step only for an FP8 plugin and data parallelism only (the same rule as the
-    Lightning plugin's configure_model)."""
+    once per process, and does the extra step only for an FP8 plugin, whatever the mesh (the same rule as the
+    Lightning plugin's configure_model): the parallelize function may apply tensor parallelism with torch's styles
+    or lightning_fp8's, and / or fully_shard. Where it did not fully_shard, the weights are plain again afterwards."""
     from lightning.fabric.strategies import ModelParallelStrategy
 
     original = ModelParallelStrategy.setup_module
@@ -165,11 +167,12 @@ def _convert_before_parallelize() -> None:
 
     def setup_module(self, module: Module) -> Module:
         precision = self.precision
-        if isinstance(precision, FP8PrecisionCore):
-            mesh = self.device_mesh
-            if "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() == 1:
-                prepare_for_sharding(precision, module)
-        return original(self, module)
+        if not isinstance(precision, FP8PrecisionCore):
+            return original(self, module)
+        prepare_for_sharding(precision, module)
+        module = original(self, module)
+        release_unsharded(precision, module)
+        return module
 
     setup_module._lightning_fp8 = True  # type: ignore[attr-defined]
     setup_module.__wrapped__ = original  # type: ignore[attr-defined]

@@ -18,7 +18,12 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.integrations._core import FP8PrecisionCore
-from lightning_fp8.integrations._distributed import prepare_for_sharding, register_gradient_communication
+from lightning_fp8.integrations._construction import set_fp8_all_gather
+from lightning_fp8.integrations._distributed import (
+    prepare_for_sharding,
+    register_gradient_communication,
+    release_unsharded,
+)
 from lightning_fp8.integrations.fabric import FP8Precision as FabricFP8Precision
 
 
@@ -57,23 +62,34 @@ class FP8Precision(Precision, FabricFP8Precision):
         warnings.filterwarnings("ignore", message=rf"Precision {self.precision} is not supported by the model summary",
                                 category=UserWarning)
 
-    # -- FSDP2: conversion before configure_model's fully_shard ---------------------------------------------------
+    # -- ModelParallelStrategy: conversion before configure_model's sharding code ----------------------------------
     @contextlib.contextmanager
     def module_init_context(self) -> Iterator[None]:
-        """Lightning enters this around `configure_model` (and `trainer.init_module()`). Under ModelParallelStrategy
-        the documented FSDP2 pattern calls fully_shard inside configure_model, after which no layer can be replaced;
-        so right before Lightning calls the hook, the model is converted with FP8 all-gather weights (see
-        `_before_configure_model`). Lightning hands a precision plugin no model here: the call is recognised by
-        wrapping, for this context only, the function Lightning calls the hook through
-        (lightning.pytorch.trainer.call._call_lightning_module_hook, the call of `_call_configure_model`)."""
+        """Lightning enters this around `configure_model` (only there: `trainer.init_module()` enters the precision's
+        `tensor_init_context`). Two things happen inside:
+
+        - `torch.nn.Linear` builds FP8 layers (FP8PrecisionCore.module_init_context, as Lightning's
+          TransformerEnginePrecision builds te.Linear): a model built *inside* configure_model and sharded there is
+          in FP8, with FP8 all-gather weights under ModelParallelStrategy, and the conversion rules decide its layers
+          at the strategy's conversion after the hook (integrations/_construction.py);
+        - under ModelParallelStrategy (FSDP2, tensor parallelism, both) the model the LightningModule holds already
+          (built in __init__, on the meta device under `trainer.init_module(empty_init=True)`) is converted with FP8
+          all-gather weights right before the hook runs, so the user's fully_shard and tensor-parallel plan (torch's
+          styles or lightning_fp8's) meet FP8 layers; where FSDP2 did not shard after all, the FP8 all-gather weights
+          are plain again after the hook (`_around_configure_model`).
+
+        Lightning hands a precision plugin no model here: the call is recognised by wrapping, for this context only,
+        the function Lightning calls the hook through (lightning.pytorch.trainer.call._call_lightning_module_hook,
+        the call of `_call_configure_model`)."""
         from lightning.pytorch.trainer import call
 
         original = call._call_lightning_module_hook
 
         def call_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-            if hook_name == "configure_model":
-                self._before_configure_model(trainer)
-            return original(trainer, hook_name, *args, **kwargs)
+            if hook_name != "configure_model":
+                return original(trainer, hook_name, *args, **kwargs)
+            with self._around_configure_model(trainer):
+                return original(trainer, hook_name, *args, **kwargs)
 
         with super().module_init_context():
             call._call_lightning_module_hook = call_hook
@@ -82,20 +98,26 @@ class FP8Precision(Precision, FabricFP8Precision):
             finally:
                 call._call_lightning_module_hook = original
 
-    def _before_configure_model(self, trainer: Any) -> None:
-        """Under ModelParallelStrategy with data parallelism only (FSDP2), convert the LightningModule's layers with
-        FP8 all-gather weights before the user's fully_shard. With a tensor-parallel dimension nothing is converted
-        here: configure_model converts itself where it must (`convert_for_fsdp` before a fully_shard), otherwise the
-        strategy's conversion after configure_model does."""
+    @contextlib.contextmanager
+    def _around_configure_model(self, trainer: Any) -> Iterator[None]:
+        """Under ModelParallelStrategy: convert the LightningModule's layers with FP8 all-gather weights before the
+        hook, build new linear layers with FP8 all-gather weights during it, and after it give plain weights back
+        where FSDP2 did not shard. The conversion summary waits for the strategy's conversion after the hook, which
+        sees how the user's code split the layers (one summary per run)."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = trainer.strategy
-        if not isinstance(strategy, ModelParallelStrategy):
+        if not isinstance(trainer.strategy, ModelParallelStrategy):
+            yield
             return
-        mesh = strategy.device_mesh
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            return
-        prepare_for_sharding(self, trainer.lightning_module)
+        module = trainer.lightning_module
+        self._summary_deferred = True
+        try:
+            prepare_for_sharding(self, module)
+            set_fp8_all_gather(self.options.fp8_all_gather and self.options.backend == "lightning_fp8")
+            yield
+            release_unsharded(self, module)
+        finally:
+            self._summary_deferred = False
 
     # -- contexts: FP8 + autocast around every step (evaluation in FP8 only with fp8_eval) ------------------------
     def convert_input(self, data: Any) -> Any:

@@ -19,7 +19,10 @@ tensor in the layout the layer needs: what lightning_fp8's FP8 sequence-parallel
 
 torch's styles also make every buffer of the layer's submodules a replicated DTensor, the FP8 metadata included;
 `localize_fp8_state` turns them back into the local tensors they hold (the engine keeps them identical on every
-rank), before anything reads them.
+rank), before anything reads them. torch's `RowwiseParallel` shards the `weight` of every submodule of the layer it is
+applied to, and an FP8 layer's metadata submodule (`fp8_meta`) has none: importing this module makes that partition
+function pass over FP8 metadata (`_skip_fp8_metadata`, installed once per process), so torch's styles split an FP8
+layer exactly as they split nn.Linear, before or after conversion.
 
 What the layer's scales see: each rank records the amax of its own shards; the engine's once-per-iteration MAX
 all-reduce of every amax (lightning_fp8/engine/scales.py) makes the histories those of the whole tensors, identical on
@@ -183,6 +186,33 @@ def _replicated(x: Tensor, weight, bias, forward: LocalForward, layer: nn.Module
     x_local = _local_input(x, placement, placement)
     out = forward(x_local, weight.to_local(), bias.to_local() if bias is not None else None)
     return DTensor.from_local(out, weight.device_mesh, (placement,), run_check=False)
+
+
+def _skip_fp8_metadata() -> None:
+    """Make torch's `RowwiseParallel._partition_linear_fn` leave FP8 metadata submodules alone (see the module
+    docstring). distribute_module calls the partition function for the layer (name "") and for each of its
+    submodules; for the layer itself nothing changes. Idempotent."""
+    try:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+    except Exception:  # pragma: no cover - builds without torch.distributed
+        return
+    original = getattr(RowwiseParallel, "_partition_linear_fn", None)
+    if original is None or getattr(original, "_lightning_fp8", False):
+        return
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+
+        if isinstance(module, FP8LinearMeta):
+            return None  # the FP8 layer's scaling state: nothing to shard (the engine keeps it equal on every rank)
+        return original(self, name, module, device_mesh)
+
+    _partition_linear_fn._lightning_fp8 = True  # type: ignore[attr-defined]
+    _partition_linear_fn.__wrapped__ = original  # type: ignore[attr-defined]
+    RowwiseParallel._partition_linear_fn = _partition_linear_fn
+
+
+_skip_fp8_metadata()
 
 
 __all__ = ["TensorParallelLayout", "is_dtensor", "layout_of", "localize_fp8_state", "parallel_forward",

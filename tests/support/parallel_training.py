@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,10 @@ def full_weights(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def run_scenarios(scenarios: Dict[str, Callable[[], dict]], out: str) -> None:
-    """Each rank's body: the scenarios named on the command line (all by default), each result saved to
-    OUT/<scenario>.rank<r>.pt, a scenario's traceback to .error for the test to show."""
-    names = sys.argv[2:] or list(scenarios)
+def run_scenarios(scenarios: Dict[str, Callable[[], dict]], out: str, names: Optional[Sequence[str]] = None) -> None:
+    """Each rank's body: the scenarios in `names` (default: those named on the command line after OUT, else all),
+    each result saved to OUT/<scenario>.rank<r>.pt, a scenario's traceback to .error for the test to show."""
+    names = list(names or sys.argv[2:] or scenarios)
     # a rank that raises leaves the others waiting in a collective: bounded at 2 minutes (gloo's default is 30),
     # for the mesh's subgroups too (new_group takes the default timeout); joining is given longer (JOIN_TIMEOUT)
     distributed_c10d.default_pg_timeout = COLLECTIVE_TIMEOUT

@@ -58,10 +58,9 @@ def summary(engine, model) -> dict:
             "loss_scale": engine.loss_scale}
 
 
-def parallelize_2d(precision, model: nn.Module, mesh) -> nn.Module:
-    """The documented order: convert with FP8 all-gather weights, the tensor-parallel plan, then FSDP2 over the
-    data-parallel dimension."""
-    precision.convert_for_fsdp(model)
+def parallelize_2d(model: nn.Module, mesh) -> nn.Module:
+    """The documented order: the tensor-parallel plan, then FSDP2 over the data-parallel dimension. No lightning_fp8
+    line: the plugins convert with FP8 all-gather weights before configure_model / the parallelize function."""
     parallelize_gpt(model, mesh["tensor_parallel"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh["data_parallel"])
@@ -78,7 +77,7 @@ class GPTModule(L.LightningModule):
         self.losses = []
 
     def configure_model(self) -> None:
-        parallelize_2d(self.trainer.precision_plugin, self.model, self.device_mesh)
+        parallelize_2d(self.model, self.device_mesh)
 
     def training_step(self, _, __):
         x, y = batch(self.trainer.global_step, self.device_mesh["data_parallel"].get_local_rank())
@@ -113,16 +112,21 @@ def lightning_2d():
     callback = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=CKPT_STEP, save_top_k=-1)
     from lightning_fp8.distributed import all_gather, uses_fp8_all_gather
 
+    from lightning.fabric.utilities import rank_zero
+
     agreements, real = [], all_gather._all_reduce_max  # the weight-amax all-reduces of FP8 all-gather, counted
     all_gather._all_reduce_max = lambda amaxes, group: (agreements.append(amaxes.numel()), real(amaxes, group))
+    logged, info = [], rank_zero.rank_zero_info  # what the plugin logs (on every rank; rank 0 prints it)
+    rank_zero.rank_zero_info = lambda message, *args, **kwargs: logged.append(str(message))
     try:
         trainer(plugin, [callback]).fit(module, DataLoader(list(range(4 * STEPS)), batch_size=1))
     finally:
         all_gather._all_reduce_max = real
+        rank_zero.rank_zero_info = info
     fc1 = module.model.blocks[1].mlp.fc1
     result = {"losses": module.losses, "weights": full_weights(module.model), **summary(plugin.engine, module.model),
               "fc1_placements": str(fc1.weight.placements), "fc1_local": type(fc1.weight.to_local()).__name__,
-              "amax_all_reduces": agreements,
+              "amax_all_reduces": agreements, "summaries": sum("linear layers run in FP8" in m for m in logged),
               "fp8_all_gather_layers": sum(uses_fp8_all_gather(m) for m in module.model.modules())}
     path = os.path.join(ckpt_dir, sorted(f for f in os.listdir(ckpt_dir) if f"step={CKPT_STEP}" in f)[0])
     result["ckpt_is_dir"] = os.path.isdir(path)
@@ -149,8 +153,7 @@ def fabric_2d():
 
     def build():
         plugin = FabricFP8Precision(loss_scaling="dynamic", gradient_communication="fp8")
-        strategy = FabricModelParallel(lambda model, mesh: parallelize_2d(plugin, model, mesh), data_parallel_size=2,
-                                       tensor_parallel_size=2)
+        strategy = FabricModelParallel(parallelize_2d, data_parallel_size=2, tensor_parallel_size=2)
         fabric = Fabric(accelerator="cpu", devices=4, plugins=[plugin], strategy=strategy)
         fabric.launch()
         torch.manual_seed(0)
