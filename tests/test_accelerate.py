@@ -85,7 +85,7 @@ def test_fp8_converts_and_trains(source, monkeypatch):
         accelerator, model, optimizer = _setup()
     else:
         accelerator, model, optimizer = _setup(mixed_precision="fp8")
-    assert accelerator.mixed_precision == "fp8" and accelerator.state.mixed_precision == "no"
+    assert accelerator.mixed_precision == "fp8" and accelerator.state.mixed_precision == "fp8"
     assert accelerator.fp8_engine is not None and isinstance(optimizer, FP8AcceleratedOptimizer)
     assert [row.precision for row in precision_map(model)] == ["bf16", "fp8", "fp8", "bf16"]
     seen = {}
@@ -114,6 +114,212 @@ def test_second_accelerator_shares_the_fp8_state():
     assert FP8Accelerator(cpu=True).mixed_precision == "fp8"  # AcceleratorState is a singleton, as in Accelerate
     with pytest.raises(ValueError, match="already been initialized with mixed_precision='fp8'"):
         FP8Accelerator(cpu=True, mixed_precision="bf16")
+
+
+def test_state_reports_fp8_and_accelerate_takes_none_of_its_fp8_branches(caplog):
+    """accelerator.state.mixed_precision is "fp8" (what Accelerate's run_me.py / nlp_example.py print), while
+    Accelerate itself was set up with "no": no autocast, GradScaler or FP8 backend of its own, also for an Accelerator
+    built after the state says "fp8" (Accelerate's __init__ would otherwise pick TE / torchao / MS-AMP or raise)."""
+    from accelerate.utils import is_fp8_available
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8")
+    assert accelerator.state.mixed_precision == AcceleratorState().mixed_precision == "fp8"
+    assert "Mixed precision type: fp8" in str(accelerator.state)
+    second = FP8Accelerator(cpu=True)  # built on a state that says "fp8"
+    for acc in (accelerator, second):
+        assert acc.mixed_precision == acc.state.mixed_precision == "fp8" and acc.fp8_engine is not None
+        assert not acc.native_amp and acc.fp8_backend == FP8BackendType.NO and not acc.delayed_fp8_autocast
+        assert not acc.has_fp8_handler and acc.fp8_recipe_handler is None and acc.te_recipe_handler is None
+        assert acc.ao_recipe_handler is None and acc.msamp_recipe_handler is None
+        assert not isinstance(acc.scaler, torch.amp.GradScaler)
+    model = second.prepare(mlp())
+    seen = {}
+    model[2].register_forward_hook(lambda m, i, o: seen.update(dtype=torch.get_autocast_dtype("cpu"),
+                                                                fp8=current_state().enabled))
+    assert model(torch.randn(2, 32)).dtype == torch.float32 and seen == {"dtype": torch.bfloat16, "fp8": True}
+    if not is_fp8_available():
+        # a plain accelerate.Accelerator built afterwards in the same process sees "fp8" and takes Accelerate's own
+        # FP8 path, which needs one of its backends: it fails loudly (under the launcher, or after enable_fp8(), every
+        # Accelerator of the process is an FP8Accelerator instead)
+        with pytest.raises(ImportError, match="no FP8-compatible backend"):
+            Accelerator(cpu=True)
+
+
+# -- the launch's fp8_config (accelerate config files, --fp8_* flags) -------------------------------------------------
+TEMPLATE = os.path.join(HERE, "data", "accelerate_fp8.yaml")  # Accelerate's own examples/config_yaml_templates/fp8.yaml
+RUN_ME = os.path.join(HERE, "data", "accelerate_run_me.py")  # Accelerate's own examples/config_yaml_templates/run_me.py
+
+
+@pytest.fixture
+def fp8_config_env(monkeypatch):
+    """No ACCELERATE_FP8_* variable from the environment, and every fp8_config message sayable again."""
+    from lightning_fp8.integrations.accelerate import fp8_config
+
+    for name in [k for k in os.environ if k.startswith("ACCELERATE_FP8_")]:
+        monkeypatch.delenv(name)
+    fp8_config._reset_said()
+    yield monkeypatch
+    fp8_config._reset_said()
+
+
+def test_fp8_config_fields_that_map_are_honoured_and_the_rest_named_once(fp8_config_env, caplog):
+    settings = {"FORMAT": "E4M3", "AMAX_HISTORY_LEN": "1024", "AMAX_COMPUTE_ALGO": "most_recent", "MARGIN": "1",
+                "USE_AUTOCAST_DURING_EVAL": "False", "OVERRIDE_FPROP": "True", "OVERRIDE_DGRAD": "False",
+                "OVERRIDE_WGRAD": "True", "ENABLE_FSDP_FLOAT8_ALL_GATHER": "0", "BACKEND": "TE", "INTERVAL": "2",
+                "OPT_LEVEL": "O1", "PAD_INNER_DIM": "1"}
+    for key, value in settings.items():
+        fp8_config_env.setenv(f"ACCELERATE_FP8_{key}", value)
+    with caplog.at_level("INFO", logger="lightning_fp8"), pytest.warns(UserWarning) as caught:
+        accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8")
+        FP8Accelerator(cpu=True)  # a second Accelerator of the process: nothing said twice
+    recipe = accelerator.fp8_engine.recipe
+    assert (recipe.format, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, recipe.weight_grad) == (
+        "e4m3", 1024, "most_recent", 1, "high_precision")
+    assert recipe.scaling == "delayed" and recipe.keep_first_last_in_bf16  # the rest: the default recipe
+    assert accelerator._fp8_core.fp8_eval is False and accelerator._fp8_core.options.fp8_all_gather is False
+    ignored = [str(w.message) for w in caught if "no equivalent in lightning_fp8 are ignored" in str(w.message)]
+    assert len(ignored) == 1
+    for name in ("backend=TE", "interval=2", "override_linear_precision fprop=True", "opt_level=O1",
+                 "pad_inner_dim=True"):
+        assert name in ignored[0], name
+    honoured = [r.getMessage() for r in caplog.records if "from the launch's fp8_config" in r.getMessage()]
+    assert len(honoured) == 1 and "fp8_format=E4M3 -> format='e4m3'" in honoured[0]
+    assert "use_autocast_during_eval=False -> fp8_eval=False" in honoured[0]
+
+
+def test_explicit_fp8kwargs_win_over_the_launch_config_and_say_so(fp8_config_env):
+    fp8_config_env.setenv("ACCELERATE_FP8_FORMAT", "E4M3")
+    fp8_config_env.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "1024")
+    with pytest.warns(UserWarning, match=r"fp8_config \(fp8_format=E4M3, amax_history_len=1024\) is not applied: "
+                                         "FP8Kwargs were given"):
+        accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(snapshot_every=5)])
+    assert accelerator.fp8_engine.recipe.format == "hybrid" and accelerator.fp8_engine.recipe.amax_history_len == 16
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"FORMAT": "E3M4"}, r"fp8_format='E3M4' \(ACCELERATE_FP8_FORMAT\) is not valid; valid choices: \['E4M3'"),
+    ({"AMAX_HISTORY_LEN": "0"}, r"amax_history_len='0' .* must be an integer >= 1"),
+    ({"USE_AUTOCAST_DURING_EVAL": "maybe"}, r"use_autocast_during_eval='maybe' .* valid choices: \['True', 'False'\]"),
+    ({"FORMAT": "E5M2", "USE_MXFP8_BLOCK_SCALING": "True"}, "does not make a valid recipe"),
+])
+def test_an_invalid_fp8_config_raises_naming_the_setting(fp8_config_env, settings, match):
+    for key, value in settings.items():
+        fp8_config_env.setenv(f"ACCELERATE_FP8_{key}", value)
+    with pytest.raises(ValueError, match=match):
+        FP8Accelerator(cpu=True, mixed_precision="fp8")
+
+
+def test_the_launcher_exports_only_the_fp8_config_fields_given(capsys):
+    """Accelerate's launcher exports every --fp8_* flag, defaults included (ACCELERATE_FP8_AMAX_HISTORY_LEN=1024
+    for a plain `--mixed_precision fp8`); ours exports what the config file or the command line gave."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import setup_fp8_env
+
+    from lightning_fp8.integrations.accelerate.fp8_config import keep_explicit_fp8_args
+
+    def exported(argv, ours=True):
+        args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+        if ours:
+            keep_explicit_fp8_args(args, defaults)
+        return setup_fp8_env(args, {})
+
+    plain = ["--mixed_precision", "fp8", "--num_processes", "1", "train.py"]
+    assert exported(plain, ours=False)["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "1024"  # Accelerate's own
+    assert exported(plain) == {}
+    assert exported(["--mixed_precision", "fp8", "--num_processes", "1", "--fp8_format", "E5M2", "train.py"]) == {
+        "ACCELERATE_FP8_FORMAT": "E5M2"}
+    assert exported(["--config_file", TEMPLATE, "--num_processes", "1", "--fp8_margin", "2", "train.py"]) == {
+        "ACCELERATE_FP8_BACKEND": "TE", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024", "ACCELERATE_FP8_FORMAT": "E4M3",
+        "ACCELERATE_FP8_INTERVAL": "1", "ACCELERATE_FP8_MARGIN": "2", "ACCELERATE_FP8_OVERRIDE_FPROP": "False",
+        "ACCELERATE_FP8_OVERRIDE_DGRAD": "False", "ACCELERATE_FP8_OVERRIDE_WGRAD": "False",
+        "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": "False"}  # the template's fields, the flag over the file's margin
+
+
+def _launch_env():
+    env = _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="default")  # the fp8_config warning must reach stderr
+    for name in [k for k in env if k.startswith("ACCELERATE_FP8_")]:
+        del env[name]
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_accelerates_own_fp8_template_and_run_me_through_the_launcher():
+    """Accelerate's own config template (fp8_config: backend TE, fp8_format E4M3, amax_history_len 1024, ...) and its
+    own run_me.py, unchanged: the state reads fp8, the settings that map are honoured and said, backend is named as
+    ignored."""
+    cmd = [sys.executable, "-m", "lightning_fp8.accelerate", "launch", "--config_file", TEMPLATE, "--cpu",
+           "--num_cpu_threads_per_process", "1", RUN_ME]
+    proc = subprocess.run(cmd, env=_launch_env(), capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Mixed precision type: fp8" in proc.stdout, proc.stdout
+    assert proc.stderr.count("FP8 settings from the launch's fp8_config") == 1, proc.stderr[-3000:]
+    assert "fp8_format=E4M3 -> format='e4m3'; amax_history_len=1024; margin=0" in proc.stderr
+    assert proc.stderr.count("no equivalent in lightning_fp8 are ignored: backend=TE") == 1, proc.stderr[-3000:]
+
+
+PROBE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from support.helpers import mlp
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+torch.manual_seed(0)
+model = mlp()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+for _ in range(3):
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+recipe = accelerator.fp8_engine.recipe
+with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as f:  # the ranks' stdout interleave
+    json.dump({"state": accelerator.state.mixed_precision, "class": type(accelerator).__name__,
+               "format": recipe.format, "history": recipe.amax_history_len, "algo": recipe.amax_compute_algo,
+               "margin": recipe.margin, "fp8_eval": accelerator._fp8_core.fp8_eval,
+               "steps": accelerator.fp8_engine.step_count}, f)
+accelerator.wait_for_everyone()
+accelerator.end_training()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_template_fp8_config_on_two_processes(tmp_path):
+    """The template through the launcher on 2 CPU processes: both ranks train with its recipe; its settings, the
+    ignored-settings warning and the conversion summary are said once."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    cmd = [sys.executable, "-m", "lightning_fp8.accelerate", "launch", "--config_file", TEMPLATE, "--multi_gpu",
+           "--num_processes", "2", "--main_process_port", "0", "--num_cpu_threads_per_process", "1", str(script), HERE,
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=dict(_launch_env(), ACCELERATE_USE_CPU="1"), capture_output=True, text=True,
+                          timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0] == reports[1] == {"state": "fp8", "class": "FP8Accelerator", "format": "e4m3", "history": 1024,
+                                        "algo": "max", "margin": 0, "fp8_eval": False, "steps": 3}
+    assert proc.stderr.count("FP8 settings from the launch's fp8_config") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("no equivalent in lightning_fp8 are ignored: backend=TE") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("linear layers run in FP8") == 1, proc.stderr[-3000:]
+
+
+def test_one_conversion_summary_per_model(caplog):
+    """convert_to_fp8 by hand, then prepare (twice, and by a second Accelerator): the summary is said once."""
+    from lightning_fp8 import convert_to_fp8
+
+    model = mlp()
+    with caplog.at_level("INFO", logger="lightning_fp8"):
+        convert_to_fp8(model)
+        accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8")
+        model = accelerator.prepare(model)
+        accelerator.prepare(model)
+        FP8Accelerator(cpu=True).prepare_model(model)
+    assert sum("linear layers run in FP8" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])

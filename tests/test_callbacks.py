@@ -101,8 +101,9 @@ def test_sampling_uses_its_own_generator():
 
 # -- FP8ScaleMonitor -----------------------------------------------------------------------------------------------
 def test_default_run_log_is_readable_and_quiet(tmp_path):
-    """What a user sees by default: 4 metrics.csv columns per FP8 layer (before: 25), the run's worst values, and no
-    "Precision fp8-mixed is not supported by the model summary" warning (the summary is enabled, as by default)."""
+    """What a user sees by default: 7 metrics.csv columns per FP8 layer (the full set: 25): the three scale factors,
+    fp8_enabled and the worst figures, the run's worst values, and no "Precision fp8-mixed is not supported by the
+    model summary" warning (the summary is enabled, as by default)."""
     logger = CSVLogger(tmp_path, name="run")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every warning recorded, however often it was seen before
@@ -113,7 +114,8 @@ def test_default_run_log_is_readable_and_quiet(tmp_path):
     columns = set(read_csv(tmp_path / "run" / "version_0" / "metrics.csv")[0])
     per_layer = sorted(c for c in columns if c.startswith("fp8/net."))
     assert per_layer == [f"fp8/{fqn}/{name}" for fqn in ("net.2", "net.4")
-                         for name in ("fp8_enabled", "worst_overflow", "worst_sqnr_db", "worst_underflow")]
+                         for name in ("fp8_enabled", "grad_output/scale", "input/scale", "weight/scale",
+                                      "worst_overflow", "worst_sqnr_db", "worst_underflow")]
     assert {"fp8/worst_sqnr_db", "fp8/worst_overflow", "fp8/loss_scale"} <= columns
     history_layers = history(tmp_path / "run" / "version_0")[-2]["layers"]  # the history file keeps every statistic
     assert set(history_layers["net.2"]["grad_output"]) >= set(STATS)
@@ -175,6 +177,99 @@ def test_monitor_logs_per_layer_metrics_to_csv(tmp_path):
         "source": "FP8LayerFallback defaults (no FP8LayerFallback in this run)",
         "overflow_factor": 8.0, "min_sqnr_db": 10.0, "max_underflow": 0.5}  # the flush-to-zero rule is on by default
     assert [row["precision"] for row in records[1]["layers"]] == ["bf16", "fp8", "fp8", "bf16"]
+
+
+def test_default_monitor_logs_the_scales_the_casts_used(tmp_path, monkeypatch):
+    """A default FP8ScaleMonitor with a real CSVLogger and Trainer: every FP8 layer has an input, weight and gradient
+    scale column, and on every sampled step they hold the scale the layer's cast op returned (recorded at the op)."""
+    import lightning_fp8.modules.cast as cast_module
+
+    used = {}  # (history storage, role index) -> the scale the last cast of that role returned
+    original = cast_module.kernels.scaled_cast
+
+    def spy(x, history, role, *args, **kwargs):
+        out = original(x, history, role, *args, **kwargs)
+        used[(history.data_ptr(), role)] = float(out[2])
+        return out
+
+    monkeypatch.setattr(cast_module.kernels, "scaled_cast", spy)
+    per_step = {}
+
+    class Snapshot(Callback):  # after forward and backward (every cast of the step), before the scales move
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            layers = {m.fp8_meta.amax_history.data_ptr(): fqn for fqn, m in pl_module.named_modules()
+                      if isinstance(m, FP8Linear)}
+            per_step[trainer.global_step] = {(layers[ptr], ROLES[role]): scale for (ptr, role), scale in used.items()
+                                             if ptr in layers}
+
+    monitor = FP8ScaleMonitor()
+    t = trainer(plugins=[FP8Precision()], max_steps=6, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=2,
+                callbacks=[monitor, Snapshot()])
+    t.fit(RegressionModule(), loader())
+    assert monitor._unscaled is None  # the default recipe scales every role: nothing kept for saturation checks
+    rows = read_csv(tmp_path / "run" / "version_0" / "metrics.csv")
+    sampled = [r for r in rows if r.get("fp8/net.2/input/scale", "") != ""]
+    assert [int(r["step"]) for r in sampled] == [0, 1, 3, 5]
+    for row in sampled:
+        for fqn in ("net.2", "net.4"):
+            for role in ROLES:
+                assert float(row[f"fp8/{fqn}/{role}/scale"]) == per_step[int(row["step"])][(fqn, role)], (row["step"],
+                                                                                                        fqn, role)
+    # the scales moved during the run (delayed scaling from step 1 on), and the columns show it
+    assert len({row["fp8/net.2/grad_output/scale"] for row in sampled}) > 1
+
+
+def test_a_saturating_unscaled_gradient_is_not_reported_as_non_finite(tmp_path):
+    """Mellempudi's recipe casts gradients without a scale (dynamic loss scaling instead): a gradient whose finite
+    amax goes beyond E5M2's max is the loss scaler's overflow, a "saturation" event; a NaN later is "nonfinite"."""
+    model = RegressionModule()
+
+    def fault(module, x, y):
+        step = module.trainer.global_step
+        if step == 2:
+            return x * 1e7, y  # large but finite: the loss-scaled gradients saturate E5M2 (max 57344)
+        if step == 5:
+            return x * float("nan"), y
+        return x, y
+
+    model.fault = fault
+    plugin = FP8Precision(preset="mellempudi", max_rollbacks=10)
+    t = trainer(plugins=[plugin], max_steps=7, max_epochs=-1, default_root_dir=tmp_path,
+                callbacks=[FP8ScaleMonitor(log_every_n_steps=1)])
+    t.fit(model, loader())
+    events = [r for r in history(tmp_path) if r["type"] == "event"]
+    saturation = [e for e in events if e["kind"] == "saturation"]
+    nonfinite = [e for e in events if e["kind"] == "nonfinite"]
+    assert saturation and all(t["role"] == "grad_output" and t["ratio"] > 1 and math.isfinite(t["amax"])
+                              for e in saturation for t in e["tensors"])
+    assert all(e["skipped"] and "scale_gradients=False" in e["reason"] for e in saturation)
+    assert not any(e["step"] == saturation[0]["step"] for e in nonfinite)  # before: every entry said "non-finite"
+    assert [e["step"] for e in nonfinite] and all(e["step"] > saturation[0]["step"] for e in nonfinite)
+    from lightning_fp8.report.history import load_history
+
+    marks = load_history(str(tmp_path)).tensor_marks()
+    assert not [m for m in marks if m.step == saturation[0]["step"]]  # the report marks no inf/NaN there either
+
+
+def test_stats_reach_the_host_in_one_copy_per_device(monkeypatch):
+    """LayerStatsSampler.finish: one device-to-host copy per device, not one per layer and role."""
+    from lightning_fp8 import convert_to_fp8
+    from lightning_fp8.callbacks.sampling import LayerStatsSampler
+
+    model = convert_to_fp8(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), FP8Recipe(keep_first_last_in_bf16=False),
+                           verbose=False)
+    layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FP8Linear)}
+    sampler = LayerStatsSampler(sample_size=64)
+    sampler.start(layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(8, 32)).float().sum().backward()
+    copies = []
+    original = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self.shape) or original(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a host read per value"))
+    record = sampler.finish(step=1, logger_step=0)
+    assert len(record.layers) == 6 and all(set(roles) == set(ROLES) for roles in record.layers.values())
+    assert copies == [torch.Size([18, 9])]  # one stacked copy: 6 layers x 3 roles, 9 numbers each
 
 
 def test_monitor_statistics_are_those_of_the_cast(tmp_path):

@@ -50,7 +50,10 @@ def test_model_converts_as_previewed_runs_fp8_gemms_and_trains(build):
     fit(module, [batch] * 4, callbacks=[gemms.during_first_step()])  # the same batch: the loss must go down
 
     rows = {row.fqn.removeprefix("model."): row for row in precision_map(module) if row.fqn.startswith("model.")}
-    assert {fqn: row.precision for fqn, row in rows.items()} == {fqn: row.precision for fqn, row in preview.items()}
+    # the preview says "would-fp8" where conversion then says "fp8": what it would do, visibly not done yet
+    assert {fqn: row.precision for fqn, row in rows.items()} == {
+        fqn: "fp8" if row.precision == "would-fp8" else row.precision for fqn, row in preview.items()}
+    assert "fp8" not in {row.precision for row in preview.values()}
     n_fp8 = sum(isinstance(m, FP8Layer) and m.fp8_enabled for m in model.modules())
     assert n_fp8 == sum(row.precision == "fp8" for row in rows.values()) > 0
     assert gemms.count == 3 * n_fp8  # forward, input-gradient and weight-gradient GEMM of every FP8 layer

@@ -165,6 +165,26 @@ def test_an_escalation_shows_in_the_map_without_code_for_it(tmp_path):
     assert "escalated to rowwise scaling at step 12" in page
 
 
+def test_a_saturated_unscaled_gradient_is_listed_not_marked_non_finite(tmp_path):
+    """A "saturation" event (an unscaled gradient beyond E5M2's max: the loss scaler's overflow) and the engine's skip
+    naming the same tensor: the page lists the event; no inf/NaN mark is derived from the skip's names."""
+    skip = {"type": "event", "source": "engine", "step": 12, "kind": "skip", "layers": [f"{LAYERS[1]}.grad_output"],
+            "reason": f"FP8 amax overflow in {LAYERS[1]}.grad_output", "loss_scale": 128.0}
+    saturation = {"type": "event", "source": "engine", "step": 12, "kind": "saturation", "layers": [LAYERS[1]],
+                  "tensors": [{"layer": LAYERS[1], "role": "grad_output", "ratio": 1.5, "amax": 86016.0}],
+                  "reason": "amax beyond the FP8 format's max in ...grad_output, cast without a scale", "skipped": True}
+    synthetic_history(tmp_path / "fp8_history.jsonl", extra_events=[skip, saturation])
+    h = load_history(str(tmp_path))
+    assert not [m for m in h.tensor_marks() if m.step == 12]
+    page = render_report(h)
+    assert "<td>saturation</td>" in page and "cast without a scale" in page
+    # without the monitor's event, the skip's names still mark the tensor (a history written before it existed)
+    synthetic_history(tmp_path / "old.jsonl", extra_events=[skip])
+    marks = load_history(str(tmp_path / "old.jsonl")).tensor_marks()
+    assert [(m.step, m.layer, m.role, m.kind) for m in marks if m.step == 12] == [
+        (12, LAYERS[1], "grad_output", "nonfinite")]
+
+
 def test_the_precision_map_table_shows_each_fp8_layers_scaling(tmp_path):
     """The precision-map record's rows carry each FP8 layer's scaling (callbacks/hub.py `precision_rows`); the table
     shows it, and nothing for BF16 layers."""

@@ -47,7 +47,7 @@ def precision_rows(model: nn.Module) -> List[Dict[str, str]]:
         precision, reason = row.precision, row.reason
         if row.preview:
             precision = "bf16"
-            reason = f"{NOT_CONVERTED}; FP8Precision would convert it" if row.precision == "fp8" else (
+            reason = f"{NOT_CONVERTED}; FP8Precision would convert it" if row.fp8 else (
                 f"{NOT_CONVERTED}; {reason}")
         rows.append({"fqn": row.fqn, "precision": precision, "reason": reason,
                      **({"scaling": row.scaling} if row.scaling and precision == "fp8" else {}),

@@ -4,9 +4,10 @@ file the report reads.
 On every `log_every_n_steps`-th optimizer step (and the first one) it samples, for each FP8 layer and each tensor
 role (input, weight, grad_output), the scale the cast used, the amax, the overflow fraction, the underflow fraction
 and the quantization SQNR (definitions: `lightning_fp8.numerics.stats`), and logs them through `trainer.loggers`
-(CSV, TensorBoard, W&B, ...). By default (`per_layer="summary"`) four columns per layer, the figures a reader acts
-on, and the run's worst values:
+(CSV, TensorBoard, W&B, ...). By default (`per_layer="summary"`) seven columns per layer, the figures a reader
+acts on: the scale factors the casts used, the layer's worst health figures, and the run's worst values:
 
+    fp8/<layer fqn>/input/scale | weight/scale | grad_output/scale      (the scale each role's cast used)
     fp8/<layer fqn>/fp8_enabled                             (1 in FP8, 0 in BF16)
     fp8/<layer fqn>/worst_overflow | worst_underflow | worst_sqnr_db   (the worst of the layer's three roles)
     fp8/worst_range_ratio | worst_overflow | worst_underflow | worst_sqnr_db   (the worst layer and role)
@@ -27,13 +28,19 @@ lightning_fp8/callbacks/hub.py for why the loggers are written directly).
 
 It appends the same numbers, the precision map and every engine event to `<trainer.log_dir>/fp8_history.jsonl` (see
 `lightning_fp8.report` for the format and the HTML dashboard): skips and rollbacks, and after *every* optimizer step
-the tensors whose amax was non-finite (`engine.last_result.overflow_layers`, already on the host), so a fault between
-two samples is recorded at its step, layer and role. Each stats line also carries the loss scale and the mean host
-wall time per optimizer step since the previous line.
+the tensors whose amax overflowed (`engine.last_result.overflow_layers`, already on the host), so a fault between two
+samples is recorded at its step, layer and role: a "nonfinite" event for those whose amax was inf/NaN, a "saturation"
+event for roles cast without a scale (`FP8Recipe(scale_gradients=False)`) whose finite amax went beyond the format's
+max (the loss scaler's overflow: the step is skipped and the loss scale backs off). The engine's list does not say
+which of the two an unscaled role's entry was; the monitor keeps those roles' amaxes of each step on the device
+(`on_before_optimizer_step`, only for recipes with unscaled roles) and reads them on the host only in a step whose
+list names one. Each stats line also carries the loss scale and the mean host wall time per optimizer step since the
+previous line.
 
 Statistics are sampled only on logging steps: the observers that compute them are installed on the layers for those
 steps and removed afterwards (see `lightning_fp8.callbacks.hub`). Every other step costs two clock reads and a look at
-the engine's last result: O(1) host work, no device synchronisation.
+the engine's last result: O(1) host work, no device synchronisation (a recipe with unscaled gradients adds one stack
+of their amaxes on the device per step).
 """
 from __future__ import annotations
 
@@ -42,8 +49,9 @@ import inspect
 import logging
 import math
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fp8.callbacks.fallback import FP8LayerFallback
@@ -71,6 +79,35 @@ log = logging.getLogger("lightning_fp8")
 THRESHOLDS = ("overflow_factor", "min_sqnr_db", "max_underflow")
 #: what the loggers get per layer (see the module docstring)
 PER_LAYER_CHOICES = ("summary", "full", "none")
+
+
+def _tensor(name: str) -> Dict[str, Any]:
+    """{"layer", "role"} of an engine name "fqn.role"."""
+    fqn, _, role = name.rpartition(".")
+    return {"layer": fqn, "role": role} if role in ROLES else {"layer": name, "role": None}
+
+
+def _classify_unscaled(unscaled: Tuple[List[str], torch.Tensor, List[float]], overflow_layers: List[str]):
+    """({name: amax} of the unscaled roles in `overflow_layers` whose finite amax went beyond the format's max, {names
+    whose amax was non-finite}), over every rank: each rank flags its own amaxes, one MAX all-reduce combines the
+    flags (the engine's list is the same on every rank, so every rank gets here together), one host read. Nothing
+    runs unless the list names an unscaled role."""
+    from lightning_fp8.engine.distributed import all_reduce_max_
+
+    names, amaxes, maxima = unscaled
+    listed = [i for i, name in enumerate(names) if name in set(overflow_layers)]
+    if not listed:
+        return {}, set()
+    amax = amaxes[listed]
+    limit = torch.tensor([maxima[i] for i in listed], dtype=amax.dtype, device=amax.device)
+    finite = torch.isfinite(amax)
+    flags = torch.stack([(~finite).float(), (finite & (amax > limit)).float(),
+                         torch.where(finite, amax, torch.zeros_like(amax))])
+    all_reduce_max_([flags])
+    nonfinite, beyond, values = flags.tolist()  # the one read, only in a step that names an unscaled role
+    picked = [names[i] for i in listed]
+    return ({name: value for name, hit, value in zip(picked, beyond, values) if hit},
+            {name for name, hit in zip(picked, nonfinite) if hit})
 
 
 def _compact(value: float) -> float:
@@ -113,9 +150,9 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             the whole tensor).
         log_counts: with per_layer="full", also log the clipped / non-finite cast counters per role.
         history_file: path of the JSON-lines history; None: `<trainer.log_dir>/fp8_history.jsonl`. False: no file.
-        per_layer: what the loggers get per layer: "summary" (fp8_enabled and the worst overflow, underflow and SQNR
-            over the layer's roles: 4 columns), "full" (every statistic of every role: 25 columns) or "none". The
-            history file always has everything.
+        per_layer: what the loggers get per layer: "summary" (the scale of each role's cast, fp8_enabled and the
+            worst overflow, underflow and SQNR over the layer's roles: 7 columns), "full" (every statistic of every
+            role: 25 columns) or "none". The history file always has everything.
     """
 
     def __init__(
@@ -145,6 +182,9 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._step_t0: Optional[float] = None
         self._timed_step = 0
         self._time_sum, self._time_steps = 0.0, 0
+        #: ("fqn.role" names, their amaxes of the step on the device, their formats' max) of the roles cast without a
+        #: scale, taken before the engine's decision (None: the recipe scales every role)
+        self._unscaled: Optional[Tuple[List[str], Any, List[float]]] = None
         #: the last StatsRecord (handy in tests and notebooks)
         self.last_record: Optional[StatsRecord] = None
 
@@ -194,6 +234,9 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._flush_engine_events(trainer, from_checkpoint=True)
         # baseline after any calibration pass (which also counts casts)
         self._counters = layer_counters(fp8_layers(pl_module))
+        # whether any layer casts a role without a scale (then the step's amaxes of those roles are kept on the
+        # device before each decision, see on_before_optimizer_step); a fallback or an escalation never adds one
+        self._may_saturate = any(not layer.recipe.scale_gradients for layer in hub.layers(pl_module).values())
         self._last_result = engine.last_result if engine is not None else None
         self._step_t0, self._timed_step = None, trainer.global_step
         self._time_sum, self._time_steps = 0.0, 0
@@ -204,6 +247,28 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         if self._step_t0 is None:  # the first micro-batch of an optimizer step
             self._step_t0 = time.perf_counter()
         hub_for(trainer).begin_batch(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """After backward, before the engine's decision: the step's amaxes of the roles cast without a scale (an
+        unscaled gradient), kept on the device. The engine names such a role in `overflow_layers` when its amax is
+        non-finite *or* beyond the format's max; `_record_nonfinite` reads these only then, to say which."""
+        self._unscaled = None
+        if not getattr(self, "_may_saturate", False):
+            return  # every role is cast with a scale: an overflow in the engine's list is a non-finite amax
+        names, amaxes, maxima = [], [], []
+        with torch.no_grad():
+            for fqn, layer in hub_for(trainer).layers(pl_module).items():
+                recipe = layer.recipe
+                if not layer.fp8_enabled or recipe.scale_gradients:
+                    continue
+                for role, state in layer.fp8_meta.states().items():
+                    if recipe.uses_scaling_for(role):
+                        continue
+                    amax = state.amax_history[0].reshape(())
+                    amaxes.append(amax.to(amaxes[0].device) if amaxes else amax)
+                    names.append(f"{fqn}.{role}")
+                    maxima.append(recipe.format_for(role).max)
+        self._unscaled = (names, torch.stack(amaxes).float(), maxima) if names else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step > self._timed_step:  # an optimizer step completed with this batch
@@ -252,25 +317,54 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
         self._events_seen = len(events)
 
     def _record_nonfinite(self, trainer) -> None:
-        """After every optimizer step: the tensors whose amax the engine found non-finite, as one event with the
-        layer and role of each (the engine computed the list on the host already: no extra device work)."""
+        """After every optimizer step: the tensors whose amax the engine found overflowing, as events with the layer
+        and role of each: "nonfinite" (inf/NaN amax) and "saturation" (a role cast without a scale whose finite amax
+        went beyond the format's max). The engine computed the list on the host already; the amaxes of unscaled roles
+        are read (one small copy) only in a step whose list names one."""
         engine = fp8_engine(trainer)
         result = getattr(engine, "last_result", None)
+        unscaled, self._unscaled = self._unscaled, None
         if result is None or result is self._last_result:
             return
         self._last_result = result
         if not result.overflow_layers or not getattr(self, "_writes", False):
             return
-        tensors = []
-        for name in result.overflow_layers:
-            fqn, _, role = name.rpartition(".")
-            tensors.append({"layer": fqn, "role": role} if role in ROLES else {"layer": name, "role": None})
-        hub_for(trainer).write(trainer, {
-            "type": "event", "source": "engine", "kind": "nonfinite", "step": engine.step_count,
-            "reason": "non-finite FP8 amax (inf/NaN) in " + ", ".join(result.overflow_layers),
-            "layers": sorted({t["layer"] for t in tensors}), "tensors": tensors, "skipped": not result.stepped,
-            "loss_scale": float(engine.loss_scale),
-        })
+        saturated: Dict[str, float] = {}
+        unscaled_nonfinite = set()
+        if unscaled is not None:
+            saturated, unscaled_nonfinite = _classify_unscaled(unscaled, result.overflow_layers)
+        nonfinite = [name for name in result.overflow_layers if name not in saturated or name in unscaled_nonfinite]
+        common = {"type": "event", "source": "engine", "step": engine.step_count, "skipped": not result.stepped,
+                  "loss_scale": float(engine.loss_scale)}
+        hub = hub_for(trainer)
+        if nonfinite:
+            tensors = [_tensor(name) for name in nonfinite]
+            hub.write(trainer, {
+                **common, "kind": "nonfinite", "reason": "non-finite FP8 amax (inf/NaN) in " + ", ".join(nonfinite),
+                "layers": sorted({t["layer"] for t in tensors}), "tensors": tensors,
+            })
+        if saturated:
+            layers = self._layers_of(trainer)
+            tensors = []
+            for name, amax in saturated.items():
+                tensor = _tensor(name)
+                layer = layers.get(tensor["layer"])
+                if layer is not None and tensor["role"] in ROLES:
+                    tensor["ratio"] = _compact(amax / layer.recipe.format_for(tensor["role"]).max)
+                tensor["amax"] = _compact(amax)
+                tensors.append(tensor)
+            hub.write(trainer, {
+                **common, "kind": "saturation",
+                "reason": ("amax beyond the FP8 format's max in " + ", ".join(saturated) + ", cast without a scale "
+                           "(FP8Recipe(scale_gradients=False)): the loss scaler's overflow, the step is skipped and "
+                           "the loss scale backs off"),
+                "layers": sorted({t["layer"] for t in tensors}), "tensors": tensors,
+            })
+
+    @staticmethod
+    def _layers_of(trainer):
+        module = getattr(trainer, "lightning_module", None)
+        return hub_for(trainer).layers(module) if module is not None else {}
 
     def metrics(self, record: StatsRecord, pl_module, counters: Optional[Dict] = None,
                 keep: Iterable[str] = ()) -> Dict[str, float]:
@@ -284,6 +378,8 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
             for fqn, layer in self._layers(pl_module).items():
                 out[f"fp8/{fqn}/fp8_enabled"] = float(layer.fp8_enabled)
                 roles = record.layers.get(fqn, {})
+                for role, stats in roles.items():  # the scale factors, under the names "full" gives them
+                    out[f"fp8/{fqn}/{role}/scale"] = float(stats["scale"])
                 for stat, worst in (("overflow", max), ("underflow", max), ("sqnr_db", min)):
                     values = [float(stats[stat]) for stats in roles.values() if not math.isnan(float(stats[stat]))]
                     if values:

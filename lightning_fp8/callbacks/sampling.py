@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torchmetrics import Metric
@@ -134,7 +134,7 @@ class LayerStatsSampler:
         record = StatsRecord(step=step, logger_step=logger_step)
         seen = [(key, self._aggregates[key]) for key, calls in self._calls.items() if calls > 0]
         if seen:
-            packed = torch.stack([metric.compute().cpu() for _, metric in seen]).tolist()
+            packed = host_rows([metric.compute() for _, metric in seen])
             for (fqn, role), values in zip((key for key, _ in seen), packed):
                 amax, numel, overflow, _sampled, nonzero, underflow, signal, noise, scale = values
                 record.layers.setdefault(fqn, {})[role] = {
@@ -152,4 +152,17 @@ class LayerStatsSampler:
         return record
 
 
-__all__ = ["STATS", "StatsRecord", "QuantStatsMetric", "LayerStatsSampler"]
+def host_rows(rows: List[torch.Tensor]) -> List[List[float]]:
+    """Equal-length 1-D tensors as lists of floats, in their order, with one device-to-host copy per device: the rows
+    of each device are stacked there and copied together."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, row in enumerate(rows):
+        by_device.setdefault(row.device, []).append(i)
+    values: List[Optional[List[float]]] = [None] * len(rows)
+    for indices in by_device.values():
+        for i, row in zip(indices, torch.stack([rows[i] for i in indices]).cpu().tolist()):
+            values[i] = row
+    return values  # type: ignore[return-value]
+
+
+__all__ = ["STATS", "StatsRecord", "QuantStatsMetric", "LayerStatsSampler", "host_rows"]

@@ -7,6 +7,8 @@ transformer encoder's fast path kept off where they compute in FP8.
                                    then linear layers conversion can decide on like any other
     hide_projections(attention)    undo it for one attention (conversion does so where none of its projections
                                    converts, so an unconverted attention stays torch's own, fast path included)
+    shared_input_projections(model) which of those projections read one input (the first/last rule's groups
+                                   without a traced forward)
     guard_fast_paths(model)        nn.TransformerEncoderLayer / nn.TransformerEncoder holding an FP8 projection get the
                                    FastPathFree mixin (their eval fast path would read the Parameters directly)
     restore(model)                 everything above undone (revert_fp8)
@@ -96,6 +98,33 @@ def keep_converting_attentions(changed: List[Tuple[str, nn.MultiheadAttention]],
             attention.__dict__[ATTENTION_REASON_ATTR] = f"its projections stay in BF16 (q_proj: {q_reason})"
 
 
+def shared_input_projections(model: nn.Module) -> List[List[str]]:
+    """The input projections of each projected nn.MultiheadAttention of `model` that read one tensor, as groups of
+    fully qualified names (q_proj, k_proj, v_proj order), for the first/last rule without a traced forward
+    (conversion/order.py):
+
+    - a self-attention (kdim == vdim == embed_dim, the packed in_proj_weight; how nn.TransformerEncoderLayer's
+      `self_attn`, a ViT's or a GPT's attention is used: `attn(x, x, x)`): q, k and v;
+    - nn.TransformerDecoderLayer's `multihead_attn` (cross-attention: the query is the decoder's stream, key and value
+      are the encoder's memory): k and v;
+    - separate kdim / vdim (a cross-attention): k and v when kdim == vdim, else none.
+    A traced forward sees which tensors each projection receives and needs none of this."""
+    groups: List[List[str]] = []
+    cross = {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, ProjectedMultiheadAttention):
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        if module._qkv_same_embed_dim and id(module) not in cross:
+            roles = PROJECTION_NAMES
+        elif module.kdim == module.vdim:
+            roles = PROJECTION_NAMES[1:]
+        else:
+            continue
+        groups.append([prefix + role for role in roles if role in module._modules])
+    return groups
+
+
 def guard_fast_paths(model: nn.Module) -> None:
     """FastPathFree on every nn.TransformerEncoderLayer / nn.TransformerEncoder that holds an FP8 layer."""
     for module in model.modules():
@@ -122,5 +151,6 @@ def restore(model: nn.Module) -> None:
             hide_projections(module)
 
 
-__all__ = ["expose_projections", "hide_projections", "keep_converting_attentions", "guard_fast_paths", "restore",
+__all__ = ["expose_projections", "hide_projections", "keep_converting_attentions", "shared_input_projections",
+           "guard_fast_paths", "restore",
            "ORIGINAL_CLASS_ATTR", "CALLED_AS_MODULE_ATTR", "ATTENTION_REASON_ATTR"]

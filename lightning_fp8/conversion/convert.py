@@ -41,16 +41,24 @@ log = logging.getLogger("lightning_fp8")
 #: set on a model convert_to_fp8 ran on
 CONVERTED_ATTR = "_fp8_converted"
 WOULD_CONVERT = "would be converted (preview: convert_to_fp8 has not run on this model)"
+#: the precision of a preview row whose layer conversion would make FP8 (it computes in BF16 until then)
+WOULD_FP8 = "would-fp8"
+#: set on a model whose conversion summary was logged: the text, so the same summary is not logged twice
+SUMMARY_LOGGED_ATTR = "_fp8_summary_logged"
 
 
 @dataclass(frozen=True)
 class LayerPrecision:
     """One row of the precision map.
 
-    precision: "fp8" or "bf16" (the compute dtype of everything that is not an FP8 GEMM); flops_per_token: the
-    layer's multiply-adds per token (in x out; a convolution's per output position; 0 where unknown); preview: True
-    when the row says what `convert_to_fp8` would do to a model that is not converted; family: "linear",
-    "convolution" or "recurrent" (what the conversion summary counts it as)."""
+    precision: what the layer computes in now: "fp8", or "bf16" (the compute dtype of everything that is not an FP8
+    GEMM); in a preview (`precision_map` of a model `convert_to_fp8` has not run on), "would-fp8" for a layer
+    conversion would make FP8 (it is not FP8 yet), so `row.precision == "fp8"` holds only for layers that run FP8
+    GEMMs. flops_per_token: the layer's multiply-adds per token (in x out; a convolution's per output position; 0
+    where unknown); preview: True when the row says what `convert_to_fp8` would do to a model that is not converted
+    (its reason then starts with "would be converted (preview: ..." or says why the layer would stay in BF16);
+    `fp8` (property): FP8 now or, in a preview, after conversion. family: "linear", "convolution" or "recurrent"
+    (what the conversion summary counts it as)."""
 
     fqn: str
     precision: str
@@ -63,6 +71,11 @@ class LayerPrecision:
     #: how tensor parallelism splits the layer ("" when it does not): its layout, the style, what moves in FP8
     parallel: str = ""
     recipe: str = ""  # an FP8 layer's recipe in short (`FP8Recipe.label`: "mxfp8", "nvfp4", "delayed, wgrad bf16")
+
+    @property
+    def fp8(self) -> bool:
+        """The layer computes in FP8: now ("fp8"), or, in a preview, once converted ("would-fp8")."""
+        return self.precision in ("fp8", WOULD_FP8)
 
 
 def convert_to_fp8(
@@ -113,7 +126,9 @@ def convert_to_fp8(
     if verbose:
         from lightning_fp8.conversion.summary import log_conversion_summary
 
-        log_conversion_summary(model)
+        # once per model: converting again (a no-op) or an adapter's own summary of the same conversion says nothing
+        # new (log_conversion_summary skips a summary this model already logged)
+        log_conversion_summary(model, once=True)
     return model
 
 
@@ -214,6 +229,7 @@ def revert_fp8(model: nn.Module) -> nn.Module:
             module.__dict__.pop(attention.ATTENTION_REASON_ATTR, None)
     attention.restore(model)
     model.__dict__.pop(CONVERTED_ATTR, None)
+    model.__dict__.pop(SUMMARY_LOGGED_ATTR, None)
     return model
 
 
@@ -229,7 +245,8 @@ def precision_map(
 
     On a converted model, what conversion and fallback decided. On a model `convert_to_fp8` has not run on, a preview:
     what it would do with `recipe` / `module_filter` (default: the default recipe and filter); rows have
-    `preview=True`."""
+    `preview=True`, and a layer conversion would make FP8 has precision "would-fp8" (reason "would be converted
+    (preview: ...)"): only a converted layer says "fp8"."""
     converted = is_converted(model)
     if converted and (recipe is not None or module_filter is not None):
         raise ValueError(
@@ -278,7 +295,7 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
                                            parallel=parallel))
             else:
                 reason = plan.get(fqn)
-                precision, reason = ("fp8", WOULD_CONVERT) if reason is None else ("bf16", reason)
+                precision, reason = (WOULD_FP8, WOULD_CONVERT) if reason is None else ("bf16", reason)
                 rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True,
                                            family=kind.family, parallel=parallel))
             continue
@@ -312,15 +329,18 @@ def _check_recipe(recipe: Optional[FP8Recipe]) -> FP8Recipe:
 def _first_last_reasons(order: LayerOrder, model: nn.Module) -> Dict[str, str]:
     how = "forward order, traced" if order.method == "traced" else f"{order.method}: {order.note}"
     reasons: Dict[str, str] = {}
-    for which, group in (("last", order.last()), ("first", order.first())):
-        head = group[0]
+    for which, group, head in (("last", order.last(), order.last_layer()), ("first", order.first(),
+                                                                              order.first_layer())):
+        if not group:
+            continue
         module = model.get_submodule(head) if head else model
         noun = "convolution" if kinds.family(module) == "convolution" else "linear layer"
         for fqn in group:
             if fqn == head:
                 reasons[fqn] = f"{which} {noun} kept in BF16 ({FIRST_LAST_SWITCH}; {how})"
             else:
-                reasons[fqn] = (f"reads the same input as {head}, the {which} {noun}: kept in BF16 with it "
+                basis = f" ({order.shared[fqn]})" if fqn in order.shared else ""
+                reasons[fqn] = (f"reads the same input as {head}{basis}, the {which} {noun}: kept in BF16 with it "
                                 f"({FIRST_LAST_SWITCH}; {how})")
     return reasons
 
@@ -349,6 +369,7 @@ def _replace_everywhere(parents: Dict[int, List[tuple]], old: nn.Module, new: nn
 
 __all__ = [
     "LayerPrecision",
+    "WOULD_FP8",
     "convert_to_fp8",
     "revert_fp8",
     "precision_map",

@@ -18,14 +18,21 @@ How the order and the groups are found:
   Hugging Face model's own (`dummy_inputs`, or a `pixel_values` image of the config's size for vision models, 224
   where the config has none, as convolutional models' configs do). A
   model without one is searched for Hugging Face submodules, which are traced on their own.
-- **module order** (no example input, or the forward failed): the order the layers were registered in, each layer a
-  group of its own; the reason in the precision map says so.
+- **module order** (no example input, or the forward failed): the order the layers were registered in; the reason in
+  the precision map says so. Without a trace, siblings known to read the same input are grouped all the same
+  (`sibling_groups`): the q, k and v projections of one attention, by their names (`q` / `k` / `v`, `q_proj` /
+  `k_proj` / `v_proj`, `wq` / `wk` / `wv`, `query` / `key` / `value`, `to_q` / ..., any names under one parent that
+  differ only in that token), a gated MLP's `gate_proj` / `up_proj`, and nn.MultiheadAttention's input projections
+  (conversion/attention.py knows which of them share the input). A group stands where its first layer is registered
+  for "first", and where its last one is for "last".
+
+"Last" is the group of the last layer in forward (or module) order, whatever position the group's first layer has.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -40,17 +47,31 @@ VISION_DEFAULT_SIZE = 224
 
 @dataclass(frozen=True)
 class LayerOrder:
-    """Candidate layers grouped by shared input, in forward order. `method`: how that order was found."""
+    """Candidate layers grouped by shared input, in forward order. `method`: how that order was found.
+
+    order: every layer in forward (or module) order, one entry each; `first()` / `last()` are the groups of its first
+    and last layer. shared: {layer: how it is known to share its group's input} for groups found without a trace."""
 
     groups: List[List[str]]
     method: str  # "traced" or "module order"
     note: str = ""  # why the module order was used
+    order: List[str] = field(default_factory=list)
+    shared: Dict[str, str] = field(default_factory=dict)
+
+    def _group_of(self, fqn: Optional[str]) -> List[str]:
+        return next((group for group in self.groups if fqn in group), [])
+
+    def first_layer(self) -> Optional[str]:
+        return self.order[0] if self.order else (self.groups[0][0] if self.groups else None)
+
+    def last_layer(self) -> Optional[str]:
+        return self.order[-1] if self.order else (self.groups[-1][-1] if self.groups else None)
 
     def first(self) -> List[str]:
-        return self.groups[0] if self.groups else []
+        return self._group_of(self.first_layer())
 
     def last(self) -> List[str]:
-        return self.groups[-1] if self.groups else []
+        return self._group_of(self.last_layer())
 
 
 def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AUTO) -> LayerOrder:
@@ -58,7 +79,7 @@ def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AU
     if not candidates:
         return LayerOrder([], "module order")
     scopes = _scopes(model, example_input)
-    traced: Dict[str, List[List[str]]] = {}
+    traced: Dict[str, Tuple[List[List[str]], List[str]]] = {}
     failures = []
     for prefix, scope, inputs in scopes:
         inside = [fqn for fqn in candidates if _under(fqn, prefix)]
@@ -66,24 +87,100 @@ def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AU
             traced[prefix] = _trace(model if not prefix else scope, prefix, inside, inputs)
         except Exception as error:  # a forward that cannot run on an example input: fall back to module order
             failures.append(f"{prefix or 'the model'}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    untraced = [fqn for fqn in candidates if not any(_under(fqn, p) for p in traced)]
+    siblings, shared = sibling_groups(model, untraced)
     groups: List[List[str]] = []
+    order: List[str] = []
     emitted = set()
     for fqn in candidates:
         prefix = next((p for p in traced if _under(fqn, p)), None)
         if prefix is None:
-            groups.append([fqn])
+            order.append(fqn)
+            group = siblings.get(fqn, [fqn])
+            if group[0] == fqn:  # a sibling group stands where its first layer is registered
+                groups.append(list(group))
         elif prefix not in emitted:
             emitted.add(prefix)
-            groups.extend(traced[prefix])
-    if traced and all(any(_under(f, p) for p in traced) for f in candidates):
-        return LayerOrder(groups, "traced")
+            groups.extend(traced[prefix][0])
+            order.extend(traced[prefix][1])
+    if not untraced and traced:
+        return LayerOrder(groups, "traced", order=order)
     if failures:
         note = "the example forward failed (" + "; ".join(failures) + ")"
     elif not scopes:
         note = "no example input to trace the forward (pass example_input, or set example_input_array)"
     else:
         note = "layers outside the traced Hugging Face model"
-    return LayerOrder(groups, "module order" if not traced else "partly traced", note)
+    return LayerOrder(groups, "module order" if not traced else "partly traced", note, order=order, shared=shared)
+
+
+# -- siblings that read the same input, without a trace -----------------------------------------------------------
+#: role tokens of layers that read one input: an attention's q / k / v projections, a gated MLP's gate / up
+ROLE_FAMILIES: Tuple[Tuple[str, ...], ...] = (
+    ("q", "k", "v"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+    ("gate", "up"),
+)
+_ROLE_OF = {token: (i, family) for i, family in enumerate(ROLE_FAMILIES) for token in family}
+_FAMILY_NOTE = {
+    0: "the q / k / v projections of one attention, by name",
+    1: "the query / key / value projections of one attention, by name",
+    2: "the wq / wk / wv projections of one attention, by name",
+    3: "the gate and up projections of one gated MLP, by name",
+}
+
+
+def sibling_groups(model: nn.Module, names: List[str]) -> Tuple[Dict[str, List[str]], Dict[str, str]]:
+    """Layers among `names` (in module order) known to read the same input without tracing a forward: ({layer: its
+    group, in module order} for every layer in a group of two or more, {layer: how the sharing is known}).
+
+    - nn.MultiheadAttention's projections: as conversion/attention.py says (`shared_input_projections`);
+    - siblings (one parent) whose names differ only in a role token of one family of ROLE_FAMILIES: `q_proj` /
+      `k_proj` / `v_proj`, `wq` / `wk` / `wv`, `query` / `key` / `value`, `to_q` / `to_k` / `to_v`, `gate_proj` /
+      `up_proj`. A name holding two role tokens (a fused `query_key_value`) is a layer of its own.
+    Names say what a layer is meant to read; a cross-attention's k and v read another tensor than its q, which only a
+    traced forward sees (such a block is neither first nor last in the models seen so far)."""
+    from lightning_fp8.conversion.attention import shared_input_projections
+    from lightning_fp8.modules.attention import ProjectedMultiheadAttention
+
+    wanted = set(names)
+    groups: List[List[str]] = []
+    notes: Dict[str, str] = {}
+    for group in shared_input_projections(model):
+        members = [fqn for fqn in group if fqn in wanted]
+        if len(members) > 1:
+            groups.append(members)
+            notes.update({fqn: "the input projections of one nn.MultiheadAttention" for fqn in members})
+    by_key: Dict[Tuple, List[str]] = {}
+    for fqn in names:
+        parent, _, leaf = fqn.rpartition(".")
+        if isinstance(model.get_submodule(parent) if parent else model, ProjectedMultiheadAttention):
+            continue  # an nn.MultiheadAttention's projections: attention.py said which share the input
+        tokens = leaf.lower().split("_")
+        roles = [(i, token) for i, token in enumerate(tokens) if token in _ROLE_OF]
+        if len(roles) != 1:
+            continue
+        position, token = roles[0]
+        family = _ROLE_OF[token][0]
+        template = tuple(tokens[:position]) + ("{}",) + tuple(tokens[position + 1:])
+        by_key.setdefault((parent, family, template), []).append(fqn)
+    for (_, family, _), members in by_key.items():
+        roles = {_leaf_role(fqn) for fqn in members}
+        if len(members) > 1 and len(roles) == len(members):
+            groups.append(members)
+            notes.update({fqn: _FAMILY_NOTE[family] for fqn in members})
+    position = {fqn: i for i, fqn in enumerate(names)}
+    index: Dict[str, List[str]] = {}
+    for group in groups:
+        ordered = sorted(group, key=position.__getitem__)
+        index.update({fqn: ordered for fqn in ordered})
+    return index, notes
+
+
+def _leaf_role(fqn: str) -> str:
+    tokens = fqn.rpartition(".")[2].lower().split("_")
+    return next(token for token in tokens if token in _ROLE_OF)
 
 
 # -- example inputs -----------------------------------------------------------------------------------------------
@@ -138,9 +235,9 @@ def _hf_example_input(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
 
 
 # -- tracing ------------------------------------------------------------------------------------------------------
-def _trace(root: nn.Module, prefix: str, candidates: List[str], inputs: Any) -> List[List[str]]:
+def _trace(root: nn.Module, prefix: str, candidates: List[str], inputs: Any) -> Tuple[List[List[str]], List[str]]:
     """Run `root` on `inputs` (meta device first, else a real eval-mode no_grad forward) and group the candidates
-    by the input tensor they receive, in the order they first run."""
+    by the input tensor they receive, in the order they first run; also returns that order."""
     local = {fqn: fqn[len(prefix) + 1:] if prefix else fqn for fqn in candidates}
     calls: List[Tuple[str, torch.Tensor]] = []
 
@@ -176,7 +273,7 @@ def _trace(root: nn.Module, prefix: str, candidates: List[str], inputs: Any) -> 
             groups.append([fqn])
         else:
             groups[index].append(fqn)
-    return groups
+    return groups, [fqn for fqn, _ in calls]
 
 
 @contextlib.contextmanager
@@ -239,4 +336,4 @@ def _under(fqn: str, prefix: str) -> bool:
     return not prefix or fqn == prefix or fqn.startswith(prefix + ".")
 
 
-__all__ = ["LayerOrder", "layer_order", "AUTO"]
+__all__ = ["LayerOrder", "layer_order", "sibling_groups", "ROLE_FAMILIES", "AUTO"]

@@ -1,7 +1,8 @@
 """The conversion summary: how much of the model's linear and convolution work runs in FP8, what stays in BF16 and why.
 
 Logged once when a model is converted (by `convert_to_fp8`, and by every adapter at fit start through the
-framework's logging), so nobody trains in BF16 believing it is FP8. The measure is linear FLOPs per token: the sum
+framework's logging), so nobody trains in BF16 believing it is FP8; once per model: the same summary is not logged a
+second time for the same model (`log_conversion_summary(once=True)`). The measure is linear FLOPs per token: the sum
 of in x out over the linear layers (the same per-token factor multiplies every layer, so the share is the share of
 the model's linear GEMM work). Convolutions are counted on their own line, in multiply-adds per output position
 (C/groups x kernel x out channels): their layers see feature maps of different sizes, so this share weighs a layer by
@@ -54,7 +55,7 @@ class ConversionSummary:
 
     @property
     def fp8_flops(self) -> int:
-        return sum(r.flops_per_token for r in self.rows if r.precision == "fp8" and r.family == "linear")
+        return sum(r.flops_per_token for r in self.rows if r.fp8 and r.family == "linear")
 
     @property
     def linear_flops(self) -> int:
@@ -67,7 +68,7 @@ class ConversionSummary:
 
     @property
     def conv_fp8_flops(self) -> int:
-        return sum(r.flops_per_token for r in self.conv_rows if r.precision == "fp8")
+        return sum(r.flops_per_token for r in self.conv_rows if r.fp8)
 
     @property
     def conv_flops(self) -> int:
@@ -78,7 +79,7 @@ class ConversionSummary:
         """The share in FP8 of all GEMM multiply-adds counted (linear per token, convolution per output position,
         recurrent per token): what the warning reads."""
         total = sum(r.flops_per_token for r in self.rows)
-        fp8 = sum(r.flops_per_token for r in self.rows if r.precision == "fp8")
+        fp8 = sum(r.flops_per_token for r in self.rows if r.fp8)
         return fp8 / total if total else 0.0
 
     @property
@@ -88,7 +89,7 @@ class ConversionSummary:
     def text(self) -> str:
         linear = self.linear_rows
         convs = self.conv_rows
-        n_fp8 = sum(1 for r in linear if r.precision == "fp8")
+        n_fp8 = sum(1 for r in linear if r.fp8)
         verb = "would run" if self.preview else "run"
         lines = []
         if linear or not convs:
@@ -97,7 +98,7 @@ class ConversionSummary:
                 f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
             )
         if convs:
-            n_conv = sum(1 for r in convs if r.precision == "fp8")
+            n_conv = sum(1 for r in convs if r.fp8)
             share = self.conv_fp8_flops / self.conv_flops if self.conv_flops else 0.0
             lines.append(
                 f"lightning_fp8: {n_conv} of {len(convs)} convolutions {verb} in FP8: {share:.1%} of convolution "
@@ -105,15 +106,15 @@ class ConversionSummary:
             )
         if self.note:
             lines.append(f"  {self.note}")
-        recipes = Counter(r.recipe for r in self.rows if r.precision == "fp8" and r.recipe)
+        recipes = Counter(r.recipe for r in self.rows if r.fp8 and r.recipe)
         if len(recipes) > 1 or (recipes and self.note):
             lines.append("  recipes: " + ", ".join(f"{label} ({count} layers)" for label, count in recipes.items()))
-        foreign = [r for r in self.rows if r.precision == "fp8" and r.reason != "converted" and not r.preview]
+        foreign = [r for r in self.rows if r.precision == "fp8" and not r.reason.startswith("converted") and not r.preview]
         if foreign:
             lines.append(f"  {len(foreign)} of them converted by another library: {_names([r.fqn for r in foreign])}")
         by_reason: Dict[str, List[str]] = {}
         for row in self.rows:
-            if row.precision != "fp8":
+            if not row.fp8:
                 by_reason.setdefault(row.reason, []).append(row.fqn or "<the model>")
         if by_reason:
             lines.append("  kept in BF16:")
@@ -130,7 +131,7 @@ class ConversionSummary:
         by_layout: Dict[str, List[str]] = {}
         for row in self.rows:
             if row.parallel:
-                by_layout.setdefault(row.parallel, []).append(f"{row.fqn} ({row.precision.upper()})")
+                by_layout.setdefault(row.parallel, []).append(f"{row.fqn} ({'FP8' if row.fp8 else 'BF16'})")
         if not by_layout:
             return []
         count = sum(len(names) for names in by_layout.values())
@@ -174,11 +175,22 @@ def log_conversion_summary(
     info: Optional[Callable[[str], None]] = None,
     warn: Optional[Callable[[str], None]] = None,
     note: Optional[str] = None,
+    once: bool = True,
 ) -> ConversionSummary:
     """Log the summary (`info`, default: logger "lightning_fp8" at INFO) and its warning (`warn`, default:
-    warnings.warn), e.g. through a framework's rank-zero logging; returns it. `note`: how the recipe was chosen."""
+    warnings.warn), e.g. through a framework's rank-zero logging; returns it. `note`: how the recipe was chosen.
+
+    once: a summary this model logged already, word for word, is not logged again: `convert_to_fp8` called twice, an
+    adapter preparing a model `convert_to_fp8` converted, two Accelerators (or `prepare` twice) on one model each say
+    what the first said. A changed conversion (layers added, a fallback, tensor parallelism applied) logs again."""
+    from lightning_fp8.conversion.convert import SUMMARY_LOGGED_ATTR
+
     summary = conversion_summary(model, note)
-    (info or log.info)(summary.text())
+    text = summary.text()
+    if once and model.__dict__.get(SUMMARY_LOGGED_ATTR) == text:
+        return summary
+    model.__dict__[SUMMARY_LOGGED_ATTR] = text
+    (info or log.info)(text)
     message = summary.warning()
     if message is not None:
         if warn is None:

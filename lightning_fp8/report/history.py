@@ -15,7 +15,9 @@ logs to the same directory). Every object has a "type":
      "layers": [...], ...}
 
 Event kinds: "skip" and "rollback" (engine; a rollback has "restored_to_step"), "nonfinite" (engine: the tensors whose
-amax was inf/NaN after a step), "overflow" (FP8LayerFallback: tensors beyond its overflow_factor in a step, with
+amax was inf/NaN after a step), "saturation" (engine: roles cast without a scale, FP8Recipe(scale_gradients=False),
+whose finite amax went beyond the format's max, with "amax" and "ratio": the loss scaler's overflow; listed, not marked
+as a layer problem), "overflow" (FP8LayerFallback: tensors beyond its overflow_factor in a step, with
 "ratio" and "origin"), "fallback", "retry", "keep_bf16", "escalate" (layer state changes), "calibration".
 
 Per-tensor events carry "tensors": [{"layer": fqn, "role": "input" | "weight" | "grad_output", ...}]; the report marks
@@ -159,6 +161,11 @@ class RunHistory:
         for e in self.events:
             kind = e.get("kind")
             step = int(e.get("step", 0))
+            if kind == "saturation":  # an unscaled role beyond the format's max: the loss scaler's overflow, not a
+                for t in e.get("tensors", []):  # non-finite amax (the skip's names below must not say it is)
+                    if isinstance(t, dict) and "layer" in t:
+                        seen.add((step, t["layer"], t.get("role"), "nonfinite"))
+                continue
             if kind in ("nonfinite", "overflow"):
                 for t in e.get("tensors", []):
                     if not isinstance(t, dict) or "layer" not in t:

@@ -3,8 +3,10 @@
 Why a subclass and not a backend: Accelerate's FP8 support is a closed set (TransformerEngine, torchao, MS-AMP).
 With none of them installed `mixed_precision="fp8"` raises, and its kwargs handlers are matched by exact class, so a
 third party cannot register a backend. `FP8AcceleratorMixin` therefore intercepts "fp8" *before* Accelerate builds its
-AcceleratorState, runs the base class with mixed_precision="no", and translates Accelerate's hooks into
-FP8TrainingEngine calls (the same engine the Lightning and Fabric plugins drive):
+AcceleratorState, runs the base class with mixed_precision="no" (then marks the state "fp8", so
+`accelerator.state.mixed_precision` says what runs: docs/accelerate.md lists where Accelerate reads it, and why none
+of its FP8 branches runs), and translates Accelerate's hooks into FP8TrainingEngine calls (the same engine the
+Lightning and Fabric plugins drive):
 
     prepare(model)            convert_to_fp8 in place (Parameters reused: optimizer references stay valid),
                               forward wrapped in torch.autocast(compute dtype) + fp8_autocast, engine.attach
@@ -44,7 +46,7 @@ from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
-from lightning_fp8.integrations.accelerate import plain
+from lightning_fp8.integrations.accelerate import fp8_config, plain
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
 from lightning_fp8.integrations.accelerate.forward import wrap_forward
 from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
@@ -68,9 +70,13 @@ class FP8AcceleratorMixin:
     config` files set), else the existing AcceleratorState. FP8 options come from an `FP8Kwargs` in
     `kwargs_handlers`.
 
+    Without an FP8Kwargs, the launch's `fp8_config` (ACCELERATE_FP8_* variables: an accelerate config file's
+    `fp8_config:`, the launcher's `--fp8_*` flags) sets the options it maps onto (fp8_config.py); the rest is named in
+    one warning. An explicit FP8Kwargs wins over it.
+
     Public additions: `fp8_engine` (the FP8TrainingEngine, None unless FP8 is on), `skipped_steps`, `rollbacks`,
-    `loss_scale`, `fp8_metrics()`. `mixed_precision` reports "fp8"; Accelerate's own state runs with "no" (the
-    autocast and loss scaling are ours).
+    `loss_scale`, `fp8_metrics()`. `mixed_precision` and `state.mixed_precision` report "fp8"; Accelerate itself is
+    set up with "no" (the autocast and loss scaling are ours).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -99,7 +105,14 @@ class FP8AcceleratorMixin:
                     "configures one of Accelerate's own FP8 backends. Pass lightning_fp8.accelerate.FP8Kwargs "
                     "instead, or use accelerate.Accelerator for TransformerEngine / torchao / MS-AMP."
                 )
-            options = fp8_kwargs[0] if fp8_kwargs else (plain.default_kwargs() or FP8Kwargs())
+            explicit_kwargs = fp8_kwargs[0] if fp8_kwargs else plain.default_kwargs()
+            launch_config = fp8_config.read_launch_config()  # the launch's fp8_config (ACCELERATE_FP8_*), or None
+            if explicit_kwargs is not None:
+                options = explicit_kwargs  # explicit FP8Kwargs win over the launch configuration (said below)
+            elif launch_config is not None:
+                options = launch_config.kwargs()
+            else:
+                options = FP8Kwargs()
             self._fp8_core = options.build_core()
             arguments["mixed_precision"] = "no"  # Accelerate adds no autocast or GradScaler of its own
         elif fp8_kwargs:
@@ -109,7 +122,8 @@ class FP8AcceleratorMixin:
                 UserWarning,
                 stacklevel=2,
             )
-        super().__init__(*bound.args, **bound.kwargs)
+        with _accelerate_sees_no_mixed_precision(self._fp8_core is not None):
+            super().__init__(*bound.args, **bound.kwargs)
         if self._fp8_core is None:
             return
         if self.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
@@ -118,7 +132,20 @@ class FP8AcceleratorMixin:
                 f"{[t.value for t in SUPPORTED_DISTRIBUTED_TYPES]}, not {self.distributed_type.value}"
             )
         check_fsdp_version(self)
+        # AcceleratorState (one per process) now says what this process runs: `accelerator.state.mixed_precision` is
+        # "fp8", as Accelerate's own scripts print it. Accelerate read "no" while it set itself up (above), so it
+        # built no autocast, GradScaler or FP8 backend of its own; after __init__ it reads the state's precision in
+        # no code path this adapter uses (docs/accelerate.md, "accelerator.state.mixed_precision").
         AcceleratorState._shared_state[_SHARED_STATE_FLAG] = True
+        AcceleratorState._shared_state["_mixed_precision"] = "fp8"
+        if self.is_main_process and launch_config is not None:
+            if explicit_kwargs is not None:
+                fp8_config.say_once(launch_config.overridden_message(), warn=True)
+            else:
+                if launch_config.honoured:
+                    fp8_config.say_once(launch_config.honoured_message(), warn=False)
+                if launch_config.ignored:
+                    fp8_config.say_once(launch_config.ignored_message(), warn=True)
         self.fp8_enabled = True
         checkpoint_state = FP8CheckpointState(self._fp8_core)
         # registered first, so it is always custom_checkpoint_0 whatever the user registers after
@@ -396,6 +423,23 @@ def check_fsdp_version(accelerator: Accelerator) -> None:
             f"{type(accelerator).__name__}(mixed_precision='fp8') supports FSDP through FSDP2 only: pass "
             "FullyShardedDataParallelPlugin(fsdp_version=2) (or fsdp_version: 2 in the accelerate config)."
         )
+
+
+@contextlib.contextmanager
+def _accelerate_sees_no_mixed_precision(fp8: bool) -> Iterator[None]:
+    """While an FP8 Accelerator runs Accelerate's own __init__: an AcceleratorState an earlier FP8 Accelerator of this
+    process marked "fp8" reads "no", as it did when that one was set up. Accelerate's __init__ would otherwise take
+    its FP8 branch (`fp8_enabled`: pick Transformer Engine / torchao / MS-AMP, or raise ImportError without one) and
+    refuse the "no" this class passes it ("AcceleratorState has already been initialized")."""
+    state = AcceleratorState._shared_state
+    marked = fp8 and bool(state.get(_SHARED_STATE_FLAG)) and state.get("_mixed_precision") == "fp8"
+    if marked:
+        state["_mixed_precision"] = "no"
+    try:
+        yield
+    finally:
+        if marked and state.get("_mixed_precision") == "no":
+            state["_mixed_precision"] = "fp8"
 
 
 def _overruled_fp8_note(explicit: Any, resolved: str) -> Optional[str]:

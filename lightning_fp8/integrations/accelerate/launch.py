@@ -1,6 +1,6 @@
 """`python -m lightning_fp8.accelerate launch ...`: Accelerate's launcher, with fp8 run by lightning_fp8's engine.
 
-Two additions to `accelerate launch`, nothing else changes (same flags, config files, environment):
+Three additions to `accelerate launch`, nothing else changes (same flags, config files, environment):
 
 - Accelerate's launcher refuses fp8 unless one of its backends (TransformerEngine, torchao, MS-AMP) is importable;
   this engine needs none, so that check answers True.
@@ -8,6 +8,9 @@ Two additions to `accelerate launch`, nothing else changes (same flags, config f
   lightning_fp8/integrations/accelerate/plain.py first: every `accelerate.Accelerator(...)` the unchanged script
   builds, transformers' `Trainer`'s included, is an FP8Accelerator (a subclass of it: an `FP8<Subclass>`). Then the
   script runs as `accelerate launch` would run it (`__main__`, same argv and sys.path).
+- Of the `--fp8_*` flags / the config file's `fp8_config`, only the fields given are exported to the processes
+  (`ACCELERATE_FP8_*`), not the flags' defaults, so what the engine honours from them is what the user asked for
+  (fp8_config.py).
 
 Why plain `accelerate launch --mixed_precision fp8` cannot do this: its launcher refuses fp8 in the launching
 process, before any of this package's code runs, and `accelerate.Accelerator` dispatches fp8 to a closed set of
@@ -20,7 +23,7 @@ import runpy
 import sys
 from typing import List, Optional, Sequence
 
-from lightning_fp8.integrations.accelerate import plain
+from lightning_fp8.integrations.accelerate import fp8_config, plain
 
 #: the internal subcommand each launched process runs the training script through
 RUN_COMMAND = "_run_fp8"
@@ -43,6 +46,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def validate_and_run_fp8(args):
         args, defaults, mp_from_config_flag = validate(args)
+        if args.mixed_precision == "fp8":
+            # export only the fp8_config fields the config file or the command line gave (fp8_config.py)
+            fp8_config.keep_explicit_fp8_args(args, defaults)
         if args.mixed_precision == "fp8" and not args.no_python:
             mode = "--module" if args.module else "--script"
             args.training_script_args = [RUN_COMMAND, mode, args.training_script, *args.training_script_args]
