@@ -200,7 +200,10 @@ def microscaled_cast_op(
     noise: Optional[Tensor],
     noise_t: Optional[Tensor],
     record: bool,
-    rng_state: Optional[Tensor] = None,
+    # no default: torch before the fix of custom ops' ADInplaceOrView kernel (2.7, 2.8 at least) drops a trailing
+    # argument equal to its default from the call and then fails on the missing mutated argument ("tuple index out of
+    # range": every mxfp8 / nvfp4 cast raised on those torches)
+    rng_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # (builtin generic: torch 2.6 evaluates it)
     if scaling not in SCALINGS:
         raise ValueError(f"microscaled_cast: unknown scaling {scaling!r}; valid: {list(SCALINGS)}")

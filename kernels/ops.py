@@ -31,7 +31,7 @@ and its fake implementation only has to describe shapes.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -66,7 +66,7 @@ def fp8_cast_op(
     write_row: bool,
     write_t: bool,
     compute_amax: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, compute_amax)
 
@@ -185,7 +185,7 @@ def scaled_cast_op(
     record: bool,
     pad_to: int = 1,
     history_sized: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
         return _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of_2, noise, seed, write_t,
                                  record, pad_to, history_sized)

@@ -97,7 +97,7 @@ def tiled_cast_op(
     noise: Optional[Tensor],
     record: bool,
     pad_to: int = 1,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     f = get_format(fmt)
     m, n = x.shape
     m_out = _round_up(m, max(1, pad_to))

@@ -28,7 +28,10 @@ import sys
 import pytest
 import torch
 
+from lightning_fp8.kernels import triton_version
 from lightning_fp8.kernels.device import simulate_cuda
+from lightning_fp8.numerics.formats import TORCH_FEATURES, torch_has
+from lightning_fp8.recipe import SCALING_NEEDS_TORCH
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -38,8 +41,19 @@ interp = pytest.mark.skipif(not INTERPRETING or not HAS_TRITON or torch.cuda.is_
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def _needs(feature):
+    """Skip where the running torch lacks `feature` (numerics/formats.py TORCH_FEATURES), naming the release."""
+    since = TORCH_FEATURES[feature].since
+    return pytest.mark.skipif(not torch_has(feature), reason=f"needs torch >= {since[0]}.{since[1]} ({feature})")
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETING or torch.cuda.is_available(),
                     reason="needs triton and no GPU; runs the interp_ tests of this file")
+@pytest.mark.skipif(HAS_TRITON and triton_version() < (3, 6),
+                    reason=f"needs triton >= 3.6 (pyproject's dev extra); this is triton "
+                           f"{'.'.join(map(str, triton_version()))} (torch {torch.__version__}'s pin), whose interpreter "
+                           "cannot run the kernels' loops over a computed bound ('only 0-dimensional arrays can be "
+                           "converted to Python scalars')")
 def test_interpreter_part():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
@@ -101,17 +115,19 @@ def _cast_cases():
                    (x, history(), 0, "e4m3", list(tiles[0]), list(tiles[1]), 0, True, None, True, pad_to))
         # microscaling: MX both layouts; NVFP4 with stochastic rounding and the Hadamard transform of x^T (40 tokens
         # padded to 48 by the transform: x^T's shape differs from x's), and 16 x 16 weight blocks
+        # (rng_state: the op's last argument, required: kernels/microscaled_ops.py)
         yield (f"microscaled_cast-mxfp8-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
-               (x, history(), 0, "mxfp8", "e4m3", [1, 32], [1, 32], False, None, None, True))
+               (x, history(), 0, "mxfp8", "e4m3", [1, 32], [1, 32], False, None, None, True, None))
         yield (f"microscaled_cast-nvfp4-rht-{layout}", torch.ops.lightning_fp8.microscaled_cast.default,
                (_inputs((40, 80), layout), history(), 2, "nvfp4", "e2m1", [1, 16], [1, 16], True, torch.rand(40, 80),
-                torch.rand(80, 48), True))
+                torch.rand(80, 48), True, None))
     # no tokens (an MoE expert that receives none) / no features: empty scales, as the fake impl says
     for empty in ((0, 256), (64, 0)):
         yield (f"tiled_cast-rowwise-empty{empty[0]}x{empty[1]}", torch.ops.lightning_fp8.tiled_cast.default,
                (torch.empty(empty), history(), 0, "e4m3", [1, 0], [1, 0], 0, True, None, True))
     yield ("microscaled_cast-nvfp4-weight", torch.ops.lightning_fp8.microscaled_cast.default,
-           (_inputs((48, 80), "row"), history(), 1, "nvfp4", "e2m1", [16, 16], [16, 16], False, None, None, False))
+           (_inputs((48, 80), "row"), history(), 1, "nvfp4", "e2m1", [16, 16], [16, 16], False, None, None, False,
+            None))
     yield "close_scaling_step", torch.ops.lightning_fp8.close_scaling_step.default, (
         torch.tensor([[5.0, 3.0, 1.0, 0, 0]] * 3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
         torch.tensor([448.0, 448.0, 57344.0]), torch.tensor([True] * 3), torch.tensor([True] * 3),
@@ -119,6 +135,10 @@ def _cast_cases():
 
 
 CAST_CASES = {name: (op, args) for name, op, args in _cast_cases()}
+#: the cases as parameters: the microscaled casts write E8M0 / FP4, skipped on a torch without that dtype
+CAST_CASE_PARAMS = [pytest.param(name, marks=[_needs(SCALING_NEEDS_TORCH[scaling]) for scaling in ("mxfp8", "nvfp4")
+                                              if name.startswith(f"microscaled_cast-{scaling}")])
+                    for name in CAST_CASES]
 #: opcheck's tests that apply to ops that take and return float8 tensors ("test_schema" runs arithmetic on the
 #: inputs, which CPU float8 tensors do not implement); the cast ops take no float8 input, so they get all four
 CAST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -130,7 +150,7 @@ def _opcheck(op, args, utils):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("case", list(CAST_CASES))
+@pytest.mark.parametrize("case", CAST_CASE_PARAMS)
 def test_cast_ops_match_their_fake_impls(case, path):
     """The fake implementation of each cast op (shapes, dtypes, strides: what torch.compile plans with) equals what
     the op returns on this path. The CUDA reference path returned a column-major x^T from tiled_cast while the fake
@@ -182,6 +202,8 @@ from lightning_fp8.modules.scaled_mm import (  # noqa: E402
 
 #: the torch release that runs the suite: its rules are the ones replayed
 INSTALLED_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+#: the CUDA (cuBLASLt) the running torch was built with; a CPU build is taken to have the current wheels' CUDA 13
+INSTALLED_CUDA = tuple(int(v) for v in torch.version.cuda.split(".")[:2]) if torch.version.cuda else (13, 0)
 ARCHS = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 RECIPES = {
     "delayed": FP8Recipe(),
@@ -190,10 +212,15 @@ RECIPES = {
     "blockwise": FP8Recipe(scaling="blockwise"),
 }
 #: the Blackwell recipes (numerics/microscaling.py): their GEMM kinds run natively on sm100 (both) and sm120 (MX)
-MICROSCALED_RECIPES = {
-    "mxfp8": FP8Recipe(scaling="mxfp8"),
-    "nvfp4": FP8Recipe(scaling="nvfp4"),
-}
+#: (on a torch without their dtypes, numerics/formats.py TORCH_FEATURES, they refuse and their contract is skipped)
+MICROSCALED_RECIPES = {scaling: FP8Recipe(scaling=scaling) for scaling in ("mxfp8", "nvfp4")
+                       if torch_has(SCALING_NEEDS_TORCH[scaling])}
+#: the microscaled recipes as parameters: each skipped, by name, on a torch without its dtype
+MICROSCALED_PARAMS = [pytest.param(scaling, marks=_needs(SCALING_NEEDS_TORCH[scaling]))
+                      for scaling in ("mxfp8", "nvfp4")]
+#: torch.nn.functional.scaled_mm (v2): the GPU GEMMs of blockwise, mxfp8 and nvfp4 (without it they are refused)
+HAS_V2 = torch_has("scaled_mm_v2")
+needs_v2 = _needs("scaled_mm_v2")
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: (tokens M, in K, out N) run for real on CPU: K/128 = 6 (the padded 128x128 scale layout), token counts that are
 #: not multiples of 16 or 128, dimensions not multiples of 16 (padded), one 128-block dimensions
@@ -219,8 +246,10 @@ def layer_gemms(recipe, shape, out_dtype, bias, device="cpu", triton=False):
 def expected_native(arch, ops, torch_version=None):
     """Whether the GEMM must run on the GPU's scaled GEMM (True) or be refused (False), stated independently of the
     planner's code from the rules of lightning_fp8/modules/scaled_mm.py, those of the torch that runs the suite (or
-    `torch_version`): the per-release data `TORCH_RULES`. (A blockwise recipe's GEMM whose contraction is one
-    128-block is rowwise scaling: one scale per row and column.)"""
+    `torch_version`): the per-release data `TORCH_RULES`, the running torch's v2 API (blockwise, MX, NVFP4 need
+    `torch.nn.functional.scaled_mm`: numerics/formats.py TORCH_FEATURES) and the CUDA it was built with (cuBLASLt's
+    rowwise scaling from 12.9, its block scale modes from 12.8 (MX, NVFP4) and 12.9 (blockwise)). (A blockwise
+    recipe's GEMM whose contraction is one 128-block is rowwise scaling: one scale per row and column.)"""
     m, k, n = ops.shape
     kind = scaling_kind(ops)
     rules = rules_for_torch(torch_version or INSTALLED_TORCH)
@@ -229,9 +258,13 @@ def expected_native(arch, ops, torch_version=None):
     if kind == TENSORWISE:
         return True
     if kind == ROWWISE:  # cuBLASLt (sm90) writes any output; torch's CUTLASS kernel what its release's rules say
-        cutlass = rules.arch(ARCHS[arch][0]).rowwise_backend == "cutlass"
+        cutlass = rules.arch(ARCHS[arch][0]).rowwise_backend == "cutlass" or INSTALLED_CUDA < (12, 9)
         written = ops.out_dtype if ops.out_dtype in OUT_DTYPES.values() else torch.float32
         return not cutlass or (written in rules.cutlass_rowwise_out_dtypes and ops.b.data.dtype == E4)
+    if kind in MICROSCALED + BLOCKWISE and not HAS_V2:  # their GEMMs go through torch.nn.functional.scaled_mm only
+        return False
+    if INSTALLED_CUDA < ((12, 8) if kind in MICROSCALED else (12, 9)):
+        return False
     if kind == MXFP8:  # Blackwell's MX tensor cores; torch's MX GEMM takes e4m3 only
         return arch in ("sm100", "sm120") and ops.a.data.dtype == ops.b.data.dtype == E4
     if kind == NVFP4:  # FP4 tensor cores: sm100 here (sm120's path through torch 2.13 is not established)
@@ -316,7 +349,7 @@ def test_interp_gemm_contract_with_triton_casts(shape, scaling):
     check_on_every_arch(layer_gemms(RECIPES[scaling], shape, torch.bfloat16, True, triton=True), scaling)
 
 
-@pytest.mark.parametrize("scaling", list(MICROSCALED_RECIPES))
+@pytest.mark.parametrize("scaling", MICROSCALED_PARAMS)
 def test_gemm_contract_microscaled(scaling):
     """Every GEMM of an FP8Linear forward + backward under the mxfp8 / nvfp4 recipe, for every output dtype, with and
     without bias (on a LLaMA shape, on meta; two combinations on the small shapes run for real, with ragged blocks:
@@ -341,6 +374,9 @@ def test_gemm_contract_microscaled(scaling):
     assert len(records) == 2 and layer.weight.grad is not None  # forward and dgrad; wgrad in BF16
 
 
+@_needs("float8_e8m0fnu")
+@_needs("float4_e2m1fn_x2")
+@needs_v2
 def test_microscaled_scales_are_swizzled_e8m0_and_two_level_e4m3():
     """The scale arguments of the sm100 calls: MX E8M0, NVFP4 [E4M3 blocks, float32 tensor scale], each swizzled into
     128 x 4 tiles and flat: numel round_up(rows, 128) * round_up(ceil(K / block), 4), with rows = M for mat_a and N
@@ -378,7 +414,7 @@ def test_microscaled_scales_are_swizzled_e8m0_and_two_level_e4m3():
 #: tensors cannot see a missing second swizzle: on a GPU such a call is refused (and then emulated).
 #: implementation -> per operand (data dtype, [(ScalingType, scale dtype, SwizzleType or None: no swizzle required)])
 TORCH_CUDA_V2_RULE = {
-    "mxfp8_mxfp8": [(E4, [("BlockWise1x32", torch.float8_e8m0fnu, "SWIZZLE_32_4_4")])] * 2,
+    "mxfp8_mxfp8": [(E4, [("BlockWise1x32", getattr(torch, "float8_e8m0fnu", None), "SWIZZLE_32_4_4")])] * 2,
     "nvfp4_nvfp4": [(getattr(torch, "float4_e2m1fn_x2", None), [("BlockWise1x16", E4, "SWIZZLE_32_4_4"),
                                                                ("TensorWise", torch.float32, "NO_SWIZZLE")])] * 2,
     "nvfp4_nvfp4_single_scale": [(getattr(torch, "float4_e2m1fn_x2", None),
@@ -444,6 +480,7 @@ def _v2_calls_of_every_planned_block_scaled_gemm():
                         yield f"{name} {arch} {tuple(ops.shape)} -> {out}{' bias' if bias else ''}", call
 
 
+@needs_v2
 def test_v2_calls_pass_torchs_cuda_rule_for_recipes_and_swizzles(monkeypatch):
     """Every v2 call the planner issues (MXFP8 and NVFP4 on sm100 / sm120, blockwise on sm90), as it reaches
     `torch.nn.functional.scaled_mm`, against torch's CUDA rule written as data above, not only its meta check: one
@@ -491,6 +528,9 @@ def _cpu_build_checks_swizzle_lengths() -> bool:
     return False
 
 
+@_needs("float8_e8m0fnu")
+@_needs("float4_e2m1fn_x2")
+@needs_v2
 def test_the_cuda_rule_written_as_data_refuses_what_torch_refuses():
     """The rule above against the calls torch's CUDA code refuses: NVFP4 with one swizzle for two scales (what the
     planner passed), MX without a swizzle, NVFP4 with its recipes in the other order."""
@@ -515,11 +555,15 @@ def test_the_cuda_rule_written_as_data_refuses_what_torch_refuses():
 def test_blockwise_128x128_scales_are_padded_to_four_k_blocks():
     """cuBLASLt reads 128x128 scales with the K-block dimension padded to a multiple of 4: (L4, N/128), strides
     (1, L4). K = 768 (6 blocks -> L4 = 8), 11008 (86 -> 88), 128 (1 -> 4). The unpadded layout (what torch._scaled_mm
-    v1 accepts) gives silent wrong answers on the GPU; torch's v2 meta check rejects it."""
+    v1 accepts) gives silent wrong answers on the GPU; torch's v2 meta check rejects it. On a torch without the v2
+    API the GEMM is refused, never handed to v1."""
     for k in (128, 768, 11008):
         records = layer_gemms(RECIPES["blockwise"], (256, k, 256), torch.bfloat16, False, device="meta")
         forward = records[0]
         call = plan_scaled_mm(forward, target_for((9, 0)))
+        if not HAS_V2:
+            assert isinstance(call, Refusal) and "torch.nn.functional.scaled_mm" in call.reason, call
+            continue
         kb = k // 128
         l4 = -(-kb // 4) * 4
         assert call.api == V2 and call.scale_b.shape == (l4, 2) and call.scale_b.stride() == (1, l4)
@@ -538,6 +582,8 @@ def _meta_checks_v2_scales() -> bool:
     2.15 that check is in the C++ meta function, which meta tensors do not run: they are sized, not checked)."""
     import torch.nn.functional as F
 
+    if not torch_has("scaled_mm_v2"):
+        return False  # no v2 scaled GEMM to check anything
     a = torch.empty(256, 256, dtype=E4, device="meta")
     wrong = torch.empty(3, 3, dtype=torch.float32, device="meta")
     try:
@@ -630,7 +676,9 @@ def test_blockwise_weight_gradient_with_in_features_not_a_multiple_of_16_is_refu
     wgrad = records[2]
     assert tuple(wgrad.shape) == (256, 256, 100)
     plan = plan_scaled_mm(wgrad, target_for((9, 0)))
-    assert isinstance(plan, Refusal) and "multiple of 16" in plan.reason
+    # (a torch without the v2 API refuses every blockwise GEMM, for that reason first)
+    assert isinstance(plan, Refusal)
+    assert ("multiple of 16" if HAS_V2 else "torch.nn.functional.scaled_mm") in plan.reason, plan.reason
     check_on_every_arch(records, "blockwise")
 
 
@@ -645,6 +693,11 @@ def test_blockwise_at_token_counts_not_multiples_of_128_runs_the_scaled_gemm_on_
     assert forward.shape == (200, 256, 384) and dgrad.shape == (200, 384, 256)
     assert wgrad.shape == (384, 256, 256)  # the contraction: 200 tokens padded to 256
     assert torch.equal(wgrad.a.data.float()[:, 200:], torch.zeros(384, 56))  # padding: zeros
+    if not HAS_V2:  # the running torch's rule: no v2 API, every blockwise GEMM refused (then emulated)
+        for ops in records:
+            call = plan_scaled_mm(ops, target_for((9, 0)))
+            assert isinstance(call, Refusal) and "torch.nn.functional.scaled_mm" in call.reason, call
+        return
     for ops in records:
         call = plan_scaled_mm(ops, target_for((9, 0)))
         assert isinstance(call, ScaledMMCall) and call.kind in BLOCKWISE, call
@@ -692,10 +745,44 @@ def _emulation(ops):
 NUMERIC_SHAPES = [(48, 256, 40), (33, 40, 24), (16, 64, 128)]
 
 
+def _cpu_build_runs_scaled_mm(kind):
+    """Whether this torch's CPU build runs `torch._scaled_mm` with `kind` scales (before torch 2.8 it has no CPU
+    kernel at all; 2.8's takes tensorwise scales only; 2.13's both)."""
+    a = _grid_operands(16, 32, 16, kind, torch.bfloat16, False, True)
+    try:
+        torch._scaled_mm(a.a.data, a.b.data, scale_a=a.a.scale_inv.reshape(() if kind == "tensorwise" else (16, 1)),
+                         scale_b=a.b.scale_inv.reshape(() if kind == "tensorwise" else (1, 16)),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+CPU_SCALED_MM = {kind: _cpu_build_runs_scaled_mm(kind) for kind in ("tensorwise", "rowwise")}
+CPU_SCALED_MM_KINDS = [pytest.param(kind, marks=pytest.mark.skipif(
+    not CPU_SCALED_MM[kind], reason=f"needs a torch whose CPU build runs {kind} torch._scaled_mm (torch 2.13 does; "
+                                    f"this is torch {torch.__version__})")) for kind in CPU_SCALED_MM]
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+def test_simulated_gpu_launches_on_cpu_only_what_the_cpu_build_runs(kind):
+    """Under a simulated GPU a planned call runs on torch's CPU scaled GEMM where this torch's CPU build has one for
+    its kind (`ScaledMMCall.runs_on_cpu`), and is emulated where not: a layer trains either way, with no refusal
+    (torch 2.6 and 2.7 have no CPU `_scaled_mm`: every simulated GEMM raised FP8GemmRefusedError)."""
+    ops = _grid_operands(32, 64, 48, kind, torch.bfloat16, False, True)
+    call = plan_scaled_mm(ops, target_for(ARCHS["sm90"]))
+    assert isinstance(call, ScaledMMCall) and call.runs_on_cpu == CPU_SCALED_MM[kind]
+    with simulate_cuda((9, 0)), record_gemms() as records:
+        torch.manual_seed(0)
+        layer = FP8Linear(64, 48, recipe=RECIPES["rowwise" if kind == "rowwise" else "current"])
+        layer(torch.randn(32, 64, requires_grad=True)).float().square().sum().backward()
+    assert len(records) == 3 and torch.isfinite(layer.weight.grad).all()
+
+
 @pytest.mark.parametrize("shape", NUMERIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("out", list(OUT_DTYPES))
-@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", CPU_SCALED_MM_KINDS)
 @pytest.mark.parametrize("arch", ["sm89", "sm90"])
 def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, with_bias, shape):
     """The argument preparation of the CUDA path (padding of K and N, packed layouts, scale shapes, the bias passed
@@ -707,8 +794,8 @@ def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, wit
     for exact in (True, False):
         ops = _grid_operands(*shape, kind, out_dtype, with_bias, exact)
         call = plan_scaled_mm(ops, target)
-        if isinstance(call, Refusal):
-            assert arch == "sm89" and kind == "rowwise" and out_dtype == torch.float32, call
+        if isinstance(call, Refusal):  # where the running torch's rules refuse it (2.13: sm89 rowwise float32)
+            assert not expected_native(arch, ops), call
             continue
         result, reference = call.launch(), _emulation(ops)
         assert result.dtype == out_dtype and result.shape == reference.shape and result.is_contiguous()
@@ -725,6 +812,25 @@ def test_planned_calls_on_cpu_scaled_mm_equal_the_emulation(arch, kind, out, wit
 
 
 # -- failures at launch ----------------------------------------------------------------------------------------------
+def _launch_as_a_gpu(monkeypatch):
+    """The real `ScaledMMCall.launch`, made to run every planned call under the simulated GPU as a GPU would: torch's
+    CPU scaled GEMM where this torch's CPU build has one for the call's kind (CPU_SCALED_MM: unchanged there), else the
+    call's own arithmetic in float32 (a torch whose CPU build has none, 2.6 / 2.7: the tests below are about what
+    happens around a launch, not its numbers)."""
+    from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
+
+    real_launch = Call.launch
+
+    def launch(self):
+        if CPU_SCALED_MM[self.kind]:
+            return real_launch(self)
+        out = (self.mat_a.float() * self.scale_a) @ (self.mat_b.float() * self.scale_b)
+        return self._finished((out if self.bias is None else out + self.bias.float()).to(self.out_dtype))
+
+    monkeypatch.setattr(Call, "runs_on_cpu", property(lambda self: True))
+    return launch
+
+
 def _run(ops, allow_emulation=False):
     from lightning_fp8.modules.gemm import fp8_gemm
 
@@ -739,7 +845,7 @@ def test_a_device_failure_propagates_and_never_turns_the_gemm_kind_to_emulation(
 
     ops = _grid_operands(32, 64, 48, "rowwise", torch.bfloat16, False, True)
     launches, failures = [], [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
-    real_launch = Call.launch
+    real_launch = _launch_as_a_gpu(monkeypatch)
 
     def launch(self):
         launches.append(self.kind)
@@ -764,7 +870,7 @@ def _refusing_launch(monkeypatch):
     """Make torch refuse every planned call without a bias, as a cuBLASLt without a kernel for it would."""
     from lightning_fp8.modules.scaled_mm import ScaledMMCall as Call
 
-    real_launch, launches = Call.launch, []
+    real_launch, launches = _launch_as_a_gpu(monkeypatch), []
 
     def launch(self):
         launches.append(self.bias is not None)
@@ -825,11 +931,17 @@ def test_allow_emulation_reaches_every_gemm_of_a_layer(monkeypatch):
 
     _refusing_launch(monkeypatch)
     gemm._emulated_refusals.clear()
+    # float32 GEMM outputs where the running torch's rules plan them for sm90 (cuBLASLt's rowwise scaling), else bf16
+    # (torch's CUTLASS rowwise kernel before 2.10, or a CUDA older than 12.9: float32 is refused at planning, never
+    # launched)
+    fp32_planned = expected_native("sm90", _grid_operands(32, 64, 48, "rowwise", torch.float32, False, True))
+    dtype = torch.float32 if fp32_planned else torch.bfloat16
     torch.manual_seed(0)
-    x = torch.randn(32, 64)
+    x = torch.randn(32, 64, dtype=dtype)
     for allow in (False, True):
         with simulate_cuda((9, 0)):
-            layer = FP8Linear(64, 48, bias=False, recipe=FP8Recipe(scaling="rowwise", allow_emulation=allow))
+            layer = FP8Linear(64, 48, bias=False, dtype=dtype,
+                              recipe=FP8Recipe(scaling="rowwise", allow_emulation=allow))
             if not allow:
                 with pytest.raises(FP8GemmRefusedError, match="rowwise"):
                     layer(x.requires_grad_())
@@ -901,7 +1013,7 @@ def _modules_using_to_host():
     return [module for module in map(importlib.import_module, names) if hasattr(module, "to_host")]
 
 
-@pytest.mark.parametrize("scaling", list(RECIPES) + list(MICROSCALED_RECIPES))
+@pytest.mark.parametrize("scaling", list(RECIPES) + MICROSCALED_PARAMS)
 def test_no_host_sync_inside_fp8linear_forward_backward(scaling, monkeypatch):
     """A training forward + backward of FP8 layers on the path CUDA takes without triton (the torch reference casts,
     which CUDA runs for float64 input, without triton or with LIGHTNING_FP8_DISABLE_TRITON=1): no op that reads a
@@ -1010,7 +1122,11 @@ def test_inductor_with_the_cuda_reference_implementations(scaling):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("scaling", list(MICROSCALED_RECIPES))
+@pytest.mark.skipif(INSTALLED_TORCH == (2, 7), reason=(
+    "torch 2.7's inductor fails on a float8_e8m0fnu graph input read by any op (torch/_inductor/lowering.py "
+    "`unsupported_input_tensor` calls `is_view` on a placeholder's str target: \"'str' object has no attribute "
+    "'_schema'\"; fixed in 2.8): the backward graph reads the saved E8M0 weight scales"))
+@pytest.mark.parametrize("scaling", MICROSCALED_PARAMS)
 def test_inductor_with_the_microscaled_casts(scaling):
     """Inductor, fullgraph, on the MXFP8 / NVFP4 casts and GEMMs (NVFP4 with nearest rounding here, so eager and
     compiled runs round alike): the cast op returned E8M0 scales and FP4 data in those dtypes, and inductor refused to

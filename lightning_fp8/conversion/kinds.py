@@ -336,7 +336,7 @@ _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 def _recurrent_reason(module: nn.RNNBase) -> str:
     return (f"recurrent layer ({type(module).__name__}): its input and hidden projections run inside one fused kernel "
             "over all time steps (torch's _VF / cuDNN RNN), never through a linear module: " + NO_FP8_PATH
-            + "; docs/models.md says how to run one in FP8")
+            + "; to run one in FP8, write the recurrence with nn.Linear layers (they convert like any other)")
 
 
 def _recurrent_flops(module: nn.RNNBase) -> int:

@@ -1,6 +1,6 @@
 """The autograd functions of FP8 convolutions: the three GEMMs of a convolution on FP8 operands, through the same
-casts and GEMM ops as FP8Linear (`lightning_fp8::scaled_cast` / `tiled_cast`, `lightning_fp8::fp8_gemm` /
-`fp8_gemm_tiled`). Layout (unfold, col2im, the weight as a matrix): lightning_fp8/modules/conv_layout.py.
+casts and GEMM op as FP8Linear (`lightning_fp8::scaled_cast` / `tiled_cast` / `microscaled_cast`,
+`lightning_fp8::fp8_gemm`). Layout (unfold, col2im, the weight as a matrix): lightning_fp8/modules/conv_layout.py.
 
 Per group g of the convolution (cols = the unfolded input, conv_layout.im2col):
 

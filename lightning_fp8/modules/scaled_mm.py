@@ -413,8 +413,26 @@ class ScaledMMCall:
 
     @property
     def runs_on_cpu(self) -> bool:
-        """Whether torch's CPU build runs this call (torch 2.13: tensorwise and rowwise, v1; v2 from 2.13)."""
-        return self.kind in (TENSORWISE, ROWWISE) and (self.api == V1 or self.target.torch_version >= (2, 13))
+        """Whether torch's CPU build runs this call (torch 2.13: tensorwise and rowwise, v1; v2 from 2.13). Read off
+        the running torch (`_cpu_scaled_mm_runs`): before torch 2.8 its CPU build has no `torch._scaled_mm`, and 2.8's
+        runs tensorwise scales only."""
+        return (self.kind in (TENSORWISE, ROWWISE) and (self.api == V1 or self.target.torch_version >= (2, 13))
+                and _cpu_scaled_mm_runs(self.kind))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_scaled_mm_runs(kind: str) -> bool:
+    """Whether the running torch's CPU build runs a v1 scaled GEMM of `kind` (tensorwise or rowwise): one tiny call,
+    once per kind."""
+    cpu = torch.device("cpu")  # whatever default device is in effect
+    a = torch.zeros(16, 16, dtype=E4M3, device=cpu)
+    shapes = ((), ()) if kind == TENSORWISE else ((16, 1), (1, 16))
+    scales = [torch.ones(shape, device=cpu) for shape in shapes]
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=scales[0], scale_b=scales[1], out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _spec(t: Optional[Tensor]):

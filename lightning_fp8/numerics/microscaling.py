@@ -357,7 +357,8 @@ def operand_values(x: Tensor, contraction_dim: int) -> Tensor:
         return x.to(torch.float32)
     if contraction_dim == 0 and x.dim() == 2:
         return operand_values(x.t(), 1).t()
-    pairs = _fp4_pair_table(x.device).index_select(0, x.contiguous().view(torch.uint8).reshape(-1).to(torch.int32))
+    # the bytes made contiguous, not the FP4 tensor: torch 2.8 has no copy kernel for float4_e2m1fn_x2
+    pairs = _fp4_pair_table(x.device).index_select(0, x.view(torch.uint8).contiguous().reshape(-1).to(torch.int32))
     return pairs.view(*x.shape[:-1], 2 * x.shape[-1])
 
 

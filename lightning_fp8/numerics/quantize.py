@@ -95,8 +95,9 @@ def _stochastic_round(y: torch.Tensor, fmt: FP8Format, noise: torch.Tensor) -> t
     chosen = torch.where(round_up, hi_code, lo_code)
     exact = nearest_mag == magnitude
     chosen = torch.where(exact, mag_code, chosen)
-    result = (chosen | sign).to(torch.uint8).view(fmt.dtype)
-    return torch.where(torch.isnan(y), nearest, result)
+    # NaN keeps the nearest cast's code; selected on the bytes (torch < 2.7 has no `where` for float8 on CPU)
+    codes_out = torch.where(torch.isnan(y), nearest.view(torch.uint8), (chosen | sign).to(torch.uint8))
+    return codes_out.view(fmt.dtype)
 
 
 def _decode_magnitude(code: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
