@@ -5,8 +5,6 @@ ones the layer launches (the launch budgets' instrument), each GEMM at its opera
 the ceilings that follow from the stated peaks, and that the filter acts on the prediction with the reason."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
@@ -166,31 +164,17 @@ def test_auto_recipe_picks_nothing_the_model_predicts_slower_than_per_tensor_sca
     assert f"16384x4096x14336 on {spec.name}" in choice.reason and "roofline model" in choice.reason
 
 
-def test_auto_recipe_takes_a_candidate_the_model_predicts_no_slower(monkeypatch):
+def test_auto_recipe_takes_a_candidate_the_model_predicts_no_slower(auto_prefers_candidates):
     """The other branch of the decision: where the model predicts the architecture's candidate at least as fast as
-    per-tensor scaling (here a model that prices per-tensor scaling's step double), auto takes it and says so with
-    both figures."""
+    per-tensor scaling (here a model that prices per-tensor scaling's step double: tests/conftest.py), auto takes it
+    and says so with both figures."""
     from lightning_fp8 import presets
-    from lightning_fp8.conversion import roofline
     from lightning_fp8.kernels.device import simulate_cuda
 
-    real_predict = roofline.predict
-
-    def predict_reference_slower(shape, recipe, spec, launches=None, compiled=False):
-        p = real_predict(shape, recipe, spec, launches, compiled)
-        return dataclasses.replace(p, fp8_s=p.fp8_s * 2) if recipe == FP8Recipe() else p
-
-    monkeypatch.setattr(roofline, "predict", predict_reference_slower)
-    presets._decide.cache_clear()
-    presets._modelled.cache_clear()
-    try:
-        with simulate_cuda((10, 0)):
-            choice = presets.auto_recipe()
-        assert choice.recipe == FP8Recipe(scaling="mxfp8"), choice
-        assert choice.reason.startswith("mxfp8 predicted") and "vs per-tensor delayed" in choice.reason
-    finally:
-        presets._decide.cache_clear()
-        presets._modelled.cache_clear()
+    with simulate_cuda((10, 0)):
+        choice = presets.auto_recipe()
+    assert choice.recipe == FP8Recipe(scaling="mxfp8"), choice
+    assert choice.reason.startswith("mxfp8 predicted") and "vs per-tensor delayed" in choice.reason
 
 
 def test_auto_recipe_is_decided_once_per_capability():
