@@ -87,6 +87,20 @@ def test_lightning_model_parallel_identical_ranks_resume_and_ddp_parity(runs):
     _matches(fsdp[0], ddp[0])
 
 
+def test_a_meta_built_sharded_model_resumes_from_a_distributed_checkpoint(runs):
+    """Built on the meta device (trainer.init_module(empty_init=True)), materialized after fully_shard: every FP8
+    state starts fresh (not to_empty's memory), the faults are handled alike on both ranks, and a fresh meta-built
+    model resumed from the distributed checkpoint continues bit-identically."""
+    r0, r1 = runs("lightning_fsdp2_meta_init")
+    _same_on_both_ranks(r0, r1)
+    for r in (r0, r1):
+        assert r["built_on_meta"]
+        start = r["fp8_at_start"]
+        assert start and all(not v.any() for k, v in start.items() if k.endswith(("amax_history", "_count")))
+        assert all(bool(v) for k, v in start.items() if k.endswith("enabled"))
+        _resumed_bit_identical(r)
+
+
 def test_lightning_fp8_optimizer_on_sharded_parameters_resumes_bit_identically(runs):
     r0, r1 = runs("lightning_fsdp2_fp8_optimizer")
     _same_on_both_ranks(r0, r1)

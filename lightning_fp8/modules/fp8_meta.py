@@ -20,6 +20,8 @@ margin, ...) are kept as non-persistent buffers so the per-step update runs on t
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -46,6 +48,9 @@ class FP8LinearMeta(nn.Module):
         #: pre-pass (kernels/ops.py `scaled_cast`). False, the safe default (a pre-pass), whenever the history may
         #: have been replaced: a reset, a load, a recipe change, a rollback
         self.history_sized: List[bool] = [False] * n
+        #: the layer's name in a load that brought its weights but not this state while the state was fresh (its
+        #: scaling restarts: `report_restarted_scaling` says so at its first training forward); None otherwise
+        self.restarted_as: Optional[str] = None
         self.set_recipe(recipe)
 
     # -- recipe constants ----------------------------------------------------------------------------------------
@@ -79,9 +84,27 @@ class FP8LinearMeta(nn.Module):
             setattr(self.amax_history, _STREAM_ATTRIBUTE, stream)
 
     def _apply(self, fn, recurse=True):
+        was_meta = self.amax_history.is_meta
         out = super()._apply(fn, recurse)
+        if was_meta and not self.amax_history.is_meta:
+            # materialized from the meta device (`to_empty`): the buffers hold uninitialized memory, never a state
+            # anyone saved, so they become a fresh layer's state now, before anything can read them
+            self.reset_parameters()
         self._attach_rounding_stream()
         return out
+
+    @property
+    def is_meta(self) -> bool:
+        """True while the state lives on the meta device (a model built there, not materialized yet): no value to
+        read; `to_empty` or a load that materializes the layer's weight gives it a fresh state."""
+        return self.amax_history.is_meta
+
+    @torch.no_grad()
+    def materialize(self, device: torch.device) -> None:
+        """Give a state still on the meta device a fresh one on `device` (the layer's weight's, after a load with
+        `assign=True` placed it there); a state already on a real device is left as it is."""
+        if self.is_meta:
+            self.to_empty(device=device)
 
     def forget_sizes(self) -> None:
         """The histories may no longer size a delayed scale: the next delayed casts take their pre-pass."""
@@ -119,9 +142,11 @@ class FP8LinearMeta(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """A fresh layer's state on the buffers' current device. What a model built on the meta device needs after
-        `to_empty`: Lightning and Fabric materialize FSDP2 models that way and call `reset_parameters` on every
-        module that holds buffers (otherwise the histories, counters and constants would be uninitialized memory)."""
+        """A fresh layer's state on the buffers' current device. `to_empty` from the meta device calls it itself
+        (`_apply`); Lightning and Fabric also call `reset_parameters` on every module that holds buffers after they
+        materialize an FSDP2 model, which then does it again, harmlessly."""
+        if self.is_meta:
+            return
         self.amax_history.zero_()
         self.overflow_count.zero_()
         self.clip_count.zero_()
@@ -133,6 +158,10 @@ class FP8LinearMeta(nn.Module):
     # -- checkpoint compatibility --------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         _upgrade_per_role_layout(state_dict, prefix)
+        # the load brings no FP8 state for this layer (a model state_dict never holds it: see FP8Layer) while the
+        # layer's own is a fresh one: its scaling restarts, which a resumed run should hear about (`restarted_layers`)
+        brings_state = prefix + "amax_history" in state_dict
+        fresh = self.is_meta or not bool(self.amax_history.any())
         for name, buf in self._buffers.items():
             if name.startswith("recipe_"):
                 continue
@@ -145,6 +174,41 @@ class FP8LinearMeta(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self.forget_sizes()
         self._attach_rounding_stream()
+        if brings_state:
+            self.restarted_as = None
+            _RESTARTED.discard(self)
+        elif fresh:
+            self.restarted_as = prefix[: -len("fp8_meta.")].rstrip(".") or "(the model itself)"
+            _RESTARTED.add(self)
+
+
+#: FP8 states whose layer's weights were loaded without them while they were fresh (`FP8LinearMeta.restarted_as`)
+_RESTARTED: "weakref.WeakSet[FP8LinearMeta]" = weakref.WeakSet()
+
+
+def report_restarted_scaling() -> None:
+    """Warn, once for everything loaded so far, which layers had their weights loaded without their FP8 scaling
+    state (their first step uses current scaling, their amax histories start empty), and how to carry that state.
+    Called by the first training forward of such a layer, so a state loaded after the weights (what the plugins'
+    checkpoints do) clears the note before anything is said."""
+    metas = list(_RESTARTED)
+    _RESTARTED.clear()
+    names = sorted({meta.restarted_as for meta in metas if meta.restarted_as is not None})
+    for meta in metas:
+        meta.restarted_as = None
+    if not names:
+        return
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    warnings.warn(
+        f"lightning_fp8: {len(names)} FP8 layer(s) had their weights loaded without their FP8 scaling state ({shown}): "
+        "their scaling restarts (amax histories empty, the first step uses current scaling). Expected when starting "
+        "from pretrained weights. When resuming a run, save and load that state with the weights: Fabric "
+        "`fabric.save(path, {..., 'fp8': fabric.strategy.precision})` and `fabric.load(path, {..., 'fp8': "
+        "fabric.strategy.precision})`; plain PyTorch `lightning_fp8.fp8_state_dict(model)` / "
+        "`lightning_fp8.load_fp8_state_dict(model, state)` (the Lightning Trainer's and Accelerate's checkpoints "
+        "carry it already).",
+        UserWarning, stacklevel=3,
+    )
 
 
 class RoleState:
@@ -285,4 +349,4 @@ def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
 
 
 __all__ = ["FP8LinearMeta", "RoleState", "ROLE_INDEX", "stochastic_rounding_state", "uses_rounding_stream",
-           "new_rounding_stream"]
+           "new_rounding_stream", "report_restarted_scaling"]

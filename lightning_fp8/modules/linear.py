@@ -17,7 +17,7 @@ from torch import nn
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import caster_for
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta
+from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, report_restarted_scaling
 from lightning_fp8.modules.function import GemmConfig, linear_gemms
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.modules.precast import (
@@ -165,6 +165,8 @@ class FP8Layer(nn.Module):
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
         training = self.training
+        if training and self.fp8_meta.restarted_as is not None and not torch.compiler.is_compiling():
+            report_restarted_scaling()  # weights loaded without this layer's FP8 state: say so, once
         self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
         return self.fp8_forward(x, weight, bias, recipe, training, observer)
@@ -228,8 +230,10 @@ class FP8Layer(nn.Module):
         self.fp8_meta.reset()
 
     def sync_precision_flag(self) -> None:
-        """Re-read the precision switch from its buffer after the buffer was written in place (a rollback)."""
-        self._fp8_enabled = bool(self.fp8_meta.enabled)
+        """Re-read the precision switch from its buffer after the buffer was written in place (a rollback, a load).
+        A state still on the meta device has no value to read: the switch stays as it is."""
+        if not self.fp8_meta.is_meta:
+            self._fp8_enabled = bool(self.fp8_meta.enabled)
 
     def extra_repr(self) -> str:
         precision = "fp8" if self._fp8_enabled else f"bf16 ({self.fp8_disabled_reason or 'disabled'})"
@@ -293,6 +297,11 @@ def casts_input_per_tensor(layer: nn.Module) -> bool:
 
 
 def _sync_enabled_flag_after_load(module: FP8Layer, incompatible_keys) -> None:
+    """After a load: a layer built on the meta device whose weight the load put on a real device (`assign=True`)
+    gets a fresh FP8 state there (the load brought none: see FP8Layer), then the switch is read from its buffer."""
+    weight = module.fp8_weight()
+    if module.fp8_meta.is_meta and not weight.is_meta:
+        module.fp8_meta.materialize(weight.device)
     module.sync_precision_flag()
 
 

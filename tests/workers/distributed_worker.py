@@ -151,6 +151,38 @@ def lightning_fsdp2():
     return result
 
 
+def lightning_fsdp2_meta_init():
+    """The large-model form of lightning_fsdp2: the LightningModule built under `trainer.init_module(empty_init=True)`
+    (its GPT on the meta device, its linears FP8 layers), sharded in configure_model and materialized by Lightning
+    (to_empty + reset_parameters); a distributed checkpoint at step 5; a fresh meta-built module resumes from it."""
+    ckpt_dir = os.path.join(OUT, "meta_init_ckpt")
+    started = {}
+
+    class FreshState(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # after materialization, before any step (and any load)
+            started.setdefault("fp8", {k: v.clone() for k, v in fp8_state_dict(pl_module).items()})
+
+    def run(plugin, callbacks, **fit):
+        fit_trainer = trainer(mp_strategy(), plugin, STEPS, callbacks)
+        with fit_trainer.init_module(empty_init=True):
+            module = GPTModule(fsdp=True)
+        meta = all(p.is_meta for p in module.parameters())
+        fit_trainer.fit(module, loader(), **fit)
+        return module, meta
+
+    plugin = FP8Precision(loss_scaling="dynamic")
+    callback = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=CKPT_STEP, save_top_k=-1)
+    module, built_on_meta = run(plugin, [callback, FreshState()])
+    result = {"losses": module.losses, "weights": full_weights(module), **fp8_state(plugin, module),
+              "built_on_meta": built_on_meta, "fp8_at_start": started["fp8"]}
+    path = os.path.join(ckpt_dir, sorted(f for f in os.listdir(ckpt_dir) if f"step={CKPT_STEP}" in f)[0])
+    plugin_b = FP8Precision(loss_scaling="dynamic")
+    resumed, _ = run(plugin_b, [], ckpt_path=path)
+    result.update({"resumed_losses": resumed.losses, "resumed_weights": full_weights(resumed),
+                   "resumed": fp8_state(plugin_b, resumed)})
+    return result
+
+
 def lightning_ddp():
     """The same run under DDP: the reference the FSDP2 run must match to summation order."""
     plugin = FP8Precision(loss_scaling="dynamic")
@@ -682,6 +714,7 @@ def all_gather_amax_collectives():
 
 SCENARIOS = {
     "lightning_fsdp2": lightning_fsdp2,
+    "lightning_fsdp2_meta_init": lightning_fsdp2_meta_init,
     "lightning_ddp": lightning_ddp,
     "lightning_fsdp2_fp8_optimizer": lightning_fsdp2_fp8_optimizer,
     "fabric_fsdp2": fabric_fsdp2,
