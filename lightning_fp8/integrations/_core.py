@@ -30,7 +30,7 @@ from lightning_fp8.integrations import _rank_zero
 from lightning_fp8.integrations._construction import constructing_fp8_layers, settle_constructed_layers, suspended
 from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
 from lightning_fp8.integrations._options import UnsupportedOptions, recipe_choice, resolve_compute_dtype, validate_options
-from lightning_fp8.modules.autocast import fp8_autocast
+from lightning_fp8.modules.autocast import current_state, fp8_autocast
 from lightning_fp8.presets import RecipeChoice
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.state_format import format_version, stamped
@@ -265,6 +265,10 @@ class FP8PrecisionCore:
 
     @contextlib.contextmanager
     def _fp8_context(self, fp8: bool) -> Iterator[None]:
+        """The compute-dtype autocast with FP8 on (`fp8`) or off, around every forward the adapter runs. A user's
+        `fp8_autocast(enabled=False)` around it (an evaluation of the prepared model in high precision) stays in force:
+        the adapter's context can turn FP8 off, never back on."""
+        fp8 = fp8 and current_state().enabled
         if self.options.backend == "transformer_engine":
             from lightning_fp8.backends.transformer_engine import te_autocast
 

@@ -37,6 +37,10 @@ def fp8_autocast(
 ) -> Iterator[None]:
     """Turn the FP8 path of converted layers on (default) or off inside the block.
 
+    `enabled=False` holds for every forward inside the block, the forwards of models prepared by the adapters
+    included (the Lightning Trainer's evaluation loops, a Fabric-set-up model, a model Accelerate or transformers'
+    Trainer prepared): their own FP8 context can turn FP8 off (fp8_eval=False), never back on.
+
     `recipe` and `calibrating` are inherited from an enclosing block unless given, so a plugin's step context
     nested in a calibration region does not cancel the calibration."""
     if recipe is not None and not isinstance(recipe, FP8Recipe):
