@@ -10,23 +10,16 @@ or, with the plugins' loss scaling, skip and rollback on top: `FP8Precision(back
 `convert_for_plugin` (the plugins' default filter decides which nn.Linear layers go to TE) and run every step under
 `te_autocast`.
 
-Only TE's public API is used: `transformer_engine.pytorch.Linear`, `transformer_engine.pytorch.autocast` (TE 2.x,
-`recipe=`) or the older `transformer_engine.pytorch.fp8_autocast` (`fp8_recipe=`), and
-`transformer_engine.common.recipe.{Format, DelayedScaling, Float8CurrentScaling}`. TE is not a dependency
-(`pip install lightning-fp8[te]`); without it every entry point raises an ImportError that says so.
+Only TE's public API is used: `transformer_engine.pytorch.Linear`, `transformer_engine.pytorch.autocast` (`recipe=`)
+or the older `transformer_engine.pytorch.fp8_autocast` (`fp8_recipe=`), and the recipe classes of
+`transformer_engine.common.recipe`. Which FP8Recipe becomes which TE recipe, and what is refused by name:
+`lightning_fp8.backends.te_recipes`. TE is not a dependency (`pip install lightning-fp8[te]`); without it every entry
+point raises an ImportError that says so.
 
-What maps and what does not:
-  format hybrid/e4m3      -> Format.HYBRID / Format.E4M3 (TE's recipes take no all-E5M2 format: ValueError)
-  scaling delayed         -> DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo)
-  scaling current         -> Float8CurrentScaling(fp8_format) (TE >= 2.2)
-  rounding="stochastic", scale_gradients=False -> ValueError: TE has no equivalent
-  power_of_2_scales=True (the default) -> TE's own exact scales, with a one-time warning saying so (a scale's
-                          rounding changes no FP8 code by more than one binade of headroom; nothing else differs)
 The engine's loss scaling, skip and rollback keep working on top (they act on parameters, gradients and the loss),
 but TE layers have no `fp8_enabled` switch and no lightning_fp8 scaling state: per-layer fallback, the scale
 monitor's statistics, calibration, layer_recipes, the engine's per-layer scale sync and FP8 all-gather do not see
-inside them (TE keeps and reduces its own scales). The error paths, the recipe mapping and the plugins' calls into
-TE's API are checked against a stand-in with TE's public API shape, not against TE itself on a GPU.
+inside them (TE keeps and reduces its own scales).
 """
 from __future__ import annotations
 
@@ -34,11 +27,12 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-import warnings
-from typing import Callable, Iterator, Optional
+from types import ModuleType
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
+from lightning_fp8.backends.te_recipes import te_recipe_from
 from lightning_fp8.recipe import FP8Recipe
 
 _INSTALL_HINT = (
@@ -50,75 +44,35 @@ _INSTALL_HINT = (
 
 def te_available() -> bool:
     """True when `transformer_engine.pytorch` can be imported."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
     try:
+        if importlib.util.find_spec("transformer_engine") is None:
+            return False
         importlib.import_module("transformer_engine.pytorch")
-    except Exception:
+    except Exception:  # find_spec raises ValueError for a module in sys.modules without a spec; TE raises without CUDA
         return False
     return True
 
 
-def _te():
+def _te() -> ModuleType:
+    """`transformer_engine.pytorch`: the one place the backend imports it."""
     try:
         return importlib.import_module("transformer_engine.pytorch")
     except ImportError as err:
         raise ImportError(_INSTALL_HINT) from err
 
 
-def _te_recipe_module():
+def _te_recipe_module() -> ModuleType:
+    """`transformer_engine.common.recipe`: the one place the backend imports it."""
     try:
         return importlib.import_module("transformer_engine.common.recipe")
     except ImportError as err:
         raise ImportError(_INSTALL_HINT) from err
 
 
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def te_recipe(recipe: Optional[FP8Recipe] = None):
-    """TE's recipe object for our FP8Recipe (DelayedScaling or Float8CurrentScaling)."""
-    recipe = recipe if recipe is not None else FP8Recipe()
-    mod = _te_recipe_module()
-    unsupported = []
-    if recipe.rounding != "nearest":
-        unsupported.append("rounding='stochastic'")
-    if not recipe.scale_gradients:
-        unsupported.append("scale_gradients=False")
-    if recipe.power_of_2_scales:
-        _warn_once(
-            "lightning_fp8: Transformer Engine's delayed / current scaling recipes take no power-of-two option; "
-            "TE computes its own exact scales (FP8Recipe(power_of_2_scales=True) is not applied on this backend)."
-        )
-    if recipe.format == "e5m2":
-        unsupported.append("format='e5m2'")
-    if recipe.fine_grained:  # not mapped onto TE's block scaling (untested here): never a silent per-tensor recipe
-        unsupported.append(f"scaling={recipe.scaling!r}")
-    if unsupported:
-        raise ValueError(
-            f"the Transformer Engine backend cannot express {', '.join(unsupported)}; use lightning_fp8's own "
-            "FP8Linear for this recipe"
-        )
-    fmt = mod.Format.HYBRID if recipe.format == "hybrid" else mod.Format.E4M3
-    if recipe.scaling == "delayed":
-        return mod.DelayedScaling(
-            margin=recipe.margin,
-            fp8_format=fmt,
-            amax_history_len=recipe.amax_history_len,
-            amax_compute_algo=recipe.amax_compute_algo,
-        )
-    if not hasattr(mod, "Float8CurrentScaling"):
-        raise RuntimeError(
-            "this Transformer Engine has no Float8CurrentScaling recipe (added in TE 2.2); "
-            "use scaling='delayed' or upgrade TE"
-        )
-    return mod.Float8CurrentScaling(fp8_format=fmt)
+def te_recipe(recipe: Optional[FP8Recipe] = None) -> Any:
+    """TE's recipe object for our FP8Recipe (the default recipe without one): `te_recipes.te_recipe_from` with the
+    installed Transformer Engine. ValueError names every field TE cannot express."""
+    return te_recipe_from(recipe if recipe is not None else FP8Recipe(), _te_recipe_module())
 
 
 @contextlib.contextmanager
