@@ -40,3 +40,13 @@ def test_lora_base_in_fp8_adapters_in_bf16_fp8adamw_over_adapters_only():
     assert held == {id(p) for name, p in model.named_parameters() if name in trainable}
     assert {id(p) for p in optimizer.state} == held  # FP8 moments for the adapters, none for the frozen base
     assert module.losses[-1] < module.losses[0]
+
+
+@pytest.mark.parametrize("rank", [8, 4])
+def test_adapters_of_a_rank_below_16_are_named_by_the_lora_rule(rank):
+    """r=8 adapters are 128x8 GEMMs: not 16-aligned, but the LoRA rule is why they stay in BF16 (the reason said so
+    for r=16 only; r=8 got the alignment reason)."""
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=rank, target_modules=["q_proj", "v_proj"]))
+    rows = [row for row in precision_map(model) if ".lora_A." in row.fqn or ".lora_B." in row.fqn]
+    assert len(rows) == 8
+    assert all(row.precision == "bf16" and row.reason.startswith("LoRA adapter") for row in rows), rows[0].reason

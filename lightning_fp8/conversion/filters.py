@@ -107,16 +107,18 @@ def is_lora_adapter(fqn: str) -> bool:
 
 
 def rule_skip_reason(module: nn.Module, fqn: str, recipe: FP8Recipe) -> Optional[str]:
-    """The default filter's reasons other than first / last (None: the layer is a first/last candidate)."""
+    """The default filter's reasons other than first / last (None: the layer is a first/last candidate). A LoRA
+    adapter is named as one first: its rank (often 8 or 4) also fails the 16-alignment rule, but the adapter rule is
+    why it stays in BF16 at any rank."""
+    if is_lora_adapter(fqn):
+        return ("LoRA adapter matrix: a rank-r GEMM too small for FP8 to pay off, and the weight being trained; kept in "
+                "BF16 (the frozen base layer runs in FP8)")
     structural = structural_skip_reason(module) or scaling_skip_reason(module, recipe)
     if structural is not None:
         return structural
     for pattern in recipe.skip_patterns:
         if fnmatch.fnmatchcase(fqn, pattern):
             return f"name matches skip pattern {pattern!r}"
-    if is_lora_adapter(fqn):
-        return ("LoRA adapter matrix: a rank-r GEMM too small for FP8 to pay off, and the weight being trained; kept in "
-                "BF16 (the frozen base layer runs in FP8)")
     return None
 
 
