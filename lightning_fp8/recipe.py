@@ -40,7 +40,8 @@ SCALING_NEEDS_TORCH = {"mxfp8": "float8_e8m0fnu", "nvfp4": "float4_e2m1fn_x2"}
 #: recipe.keep_last_blocks_in_bf16 when not given: torchtitan's NVFP4 recipe keeps the last ~15% of the blocks in BF16
 NVFP4_BF16_TAIL = 0.15
 AMAX_ALGO_CHOICES = ("max", "most_recent")
-BACKEND_CHOICES = ("auto", "scaled_mm", "emulated")
+#: "h100" / "rtx4060": that GPU's bits on any device (lightning_fp8/modules/gpu_model.py; needs mmaemu)
+BACKEND_CHOICES = ("auto", "scaled_mm", "emulated", "h100", "rtx4060")
 BOOLEAN_FIELDS = ("scale_gradients", "power_of_2_scales", "keep_first_last_in_bf16", "fast_accum_forward",
                   "allow_emulation")
 
@@ -87,6 +88,11 @@ class FP8Recipe:
     skip_patterns: glob patterns of layer names (fully qualified) the default filter keeps in BF16.
     backend: GEMM backend: "auto" picks torch's scaled GEMM on CUDA sm89+ and emulation elsewhere (and for the GEMMs
         the GPU is known not to take, with a warning); "scaled_mm" insists on the GPU; "emulated" never uses it.
+        "h100" / "rtx4060" compute, on any device, the bits an H100 PCIe / RTX 4060 returns for the scaled-GEMM call
+        planned for it (mmaemu's model of its cuBLASLt: `pip install lightning-fp8[h100]`; exact and slow):
+        per-tensor scalings only, no bias inside a BF16 / FP16 GEMM; anything else raises naming what is modelled,
+        and a split-K decision the model cannot make raises unless passed with
+        `lightning_fp8.modules.gpu_model.known_splits` (lightning_fp8/modules/gpu_model.py).
     allow_emulation: what happens when torch refuses, at run time, a scaled-GEMM call planned for this GPU (a rule of
         lightning_fp8's planner that does not hold for this torch / cuBLASLt): False (default) raises
         FP8GemmRefusedError naming the call; True emulates such GEMMs (exact FP8 values, float32 products, many times

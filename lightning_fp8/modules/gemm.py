@@ -6,7 +6,9 @@ architecture runs (torch's scaled GEMM). Where the planner knows in advance that
 or the request rules it out, the GEMM is emulated (modules/emulation.py) after a one-time `FP8EmulationWarning`
 naming the reason. A planned call that torch refuses at run time is a planner bug or a torch / cuBLASLt the rules do
 not describe: it raises `FP8GemmRefusedError` naming the call, unless the recipe opts in to emulate it
-(`FP8Recipe(allow_emulation=True)`). Without FP8 tensor cores (CPU, older GPUs) every GEMM is emulated.
+(`FP8Recipe(allow_emulation=True)`). Without FP8 tensor cores (CPU, older GPUs) every GEMM is emulated. The backends
+that reproduce a specific GPU's bits on any device (`FP8Recipe(backend="h100")`, "rtx4060") compute the call planned
+for that GPU through its model (modules/gpu_model.py).
 
 Being one custom op with a fake implementation, `torch.compile` traces the GEMM as one opaque node whatever the
 backend, and a count of dispatched ops counts GEMM launches.
@@ -26,6 +28,7 @@ import torch
 
 from lightning_fp8.kernels.device import autocast_off, profile_of
 from lightning_fp8.modules.emulation import cpu_has_native_bf16, emulate
+from lightning_fp8.modules.gpu_model import MODELLED_GPUS, run_on_gpu_model
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
 from lightning_fp8.modules.scaled_mm import Refusal, ScaledMMCall, ScaledMMTarget, plan_scaled_mm
 
@@ -51,8 +54,11 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """"scaled_mm" or "emulated" for `device` under FP8Recipe.backend `requested`; warns once per device kind when
-    "auto" emulates, and raises when "scaled_mm" is asked of a device without FP8 tensor cores."""
+    """"scaled_mm", "emulated" or a modelled GPU ("h100", "rtx4060": modules/gpu_model.py) for `device` under
+    FP8Recipe.backend `requested`; warns once per device kind when "auto" emulates, and raises when "scaled_mm" is
+    asked of a device without FP8 tensor cores."""
+    if requested in MODELLED_GPUS:
+        return requested
     profile = profile_of(device)
     if requested == "scaled_mm":
         if not profile.fp8_tensor_cores:
@@ -125,8 +131,9 @@ def fp8_gemm(
 ) -> Tensor:
     """out = A @ B + bias for A (M, K) and B (K, N) with their scales (FP8Matrix), rounded once to out_dtype.
 
-    backend: FP8Recipe.backend ("auto", "scaled_mm", "emulated"); allow_emulation: FP8Recipe.allow_emulation (module
-    docstring). The op has no autograd formula: the layers' autograd function computes every gradient itself."""
+    backend: FP8Recipe.backend ("auto", "scaled_mm", "emulated", "h100", "rtx4060"); allow_emulation:
+    FP8Recipe.allow_emulation (module docstring). The op has no autograd formula: the layers' autograd function
+    computes every gradient itself."""
     if _recorders:
         for records in _recorders:
             records.append(GemmOperands(a, b, out_dtype, bias, use_fast_accum))
@@ -178,10 +185,13 @@ def run_gemm(operands: GemmOperands, backend: str = "auto", allow_emulation: boo
     device = operands.a.data.device
     profile = profile_of(device)
     plan = None
-    if resolve_backend(backend, device) == "scaled_mm":
+    resolved = resolve_backend(backend, device)
+    if resolved == "scaled_mm":
         plan = plan_scaled_mm(operands, ScaledMMTarget.of(profile))
     # the ops inside run in the dtypes written here, whatever autocast region the op is called from
     with autocast_off(device):
+        if resolved in MODELLED_GPUS:
+            return run_on_gpu_model(operands, resolved)
         if isinstance(plan, Refusal):
             if not plan.quiet:
                 warn_emulation(f"{plan.reason}; this GEMM is emulated (exact FP8 values, float32 accumulation): "
