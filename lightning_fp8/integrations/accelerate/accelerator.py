@@ -46,7 +46,7 @@ from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.integrations._core import FP8PrecisionCore
 from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
-from lightning_fp8.integrations.accelerate import fp8_config, plain
+from lightning_fp8.integrations.accelerate import fp8_config, plain, precision_source
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
 from lightning_fp8.integrations.accelerate.forward import wrap_forward
 from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
@@ -70,6 +70,12 @@ class FP8AcceleratorMixin:
     config` files set), else the existing AcceleratorState. FP8 options come from an `FP8Kwargs` in
     `kwargs_handlers`.
 
+    When FP8 was requested for the process, an argument that a library chose by default, not the user (trl's
+    `SFTConfig` turns bf16 on, and transformers' Trainer passes it on: precision_source.py tells the two apart), does
+    not count: the launch's FP8 wins, the Trainer's arguments say so (`args.bf16` False, `args.mixed_precision`
+    "fp8") and one line names the default and how to keep it. An argument the user chose wins, with a warning at the
+    first prepare that names where it came from.
+
     Without an FP8Kwargs, the launch's `fp8_config` (ACCELERATE_FP8_* variables: an accelerate config file's
     `fp8_config:`, the launcher's `--fp8_*` flags) sets the options it maps onto (fp8_config.py); the rest is named in
     one warning. An explicit FP8Kwargs wins over it.
@@ -90,9 +96,22 @@ class FP8AcceleratorMixin:
             arguments["kwargs_handlers"] = [h for h in handlers if not isinstance(h, FP8Kwargs)] or None
 
         explicit = arguments.get("mixed_precision")
+        source = None  # who chose an explicit precision that is not fp8, when FP8 was requested (precision_source.py)
+        if explicit is not None and str(explicit).lower() != "fp8" and plain.fp8_requested():
+            source = precision_source.trace(explicit, inspect.currentframe())
+        library_default = source is not None and source.library_default
+        if library_default:
+            # a library's default (trl's bf16=True, which transformers' Trainer passes on) is no choice of the user's:
+            # the precision resolves as if it were not passed, so the launch's FP8 wins, and one line says so
+            explicit, arguments["mixed_precision"] = None, None
         requested = _resolve_mixed_precision(explicit)
+        if library_default:
+            if requested == "fp8":
+                source.let_fp8_win()
+                fp8_config.say_once(source.fp8_wins_message(), warn=False)
+            source = None
         #: said at the first prepare when FP8 was requested for the process but this Accelerator runs otherwise
-        self._fp8_precision_note = _overruled_fp8_note(explicit, requested)
+        self._fp8_precision_note = _overruled_fp8_note(explicit, requested, source)
         self._fp8_core: Optional[FP8PrecisionCore] = None
         self._fp8_model: Optional[nn.Module] = None
         #: (user's optimizer, FP8AdamW) pairs from optimizer_state="fp8", to re-point LR schedulers
@@ -442,17 +461,17 @@ def _accelerate_sees_no_mixed_precision(fp8: bool) -> Iterator[None]:
             state["_mixed_precision"] = "fp8"
 
 
-def _overruled_fp8_note(explicit: Any, resolved: str) -> Optional[str]:
+def _overruled_fp8_note(explicit: Any, resolved: str, source: Optional[precision_source.PrecisionSource] = None
+                        ) -> Optional[str]:
     """The warning for an Accelerator that does not run FP8 although FP8 was requested for the process (which setting
-    won and why), or None."""
+    won and why, from `source` for an explicit argument), or None."""
     if resolved == "fp8" or not plain.fp8_requested():
         return None
     if explicit is not None:
-        why = (f"this Accelerator was built with mixed_precision={str(explicit)!r} explicitly (transformers' Trainer "
-               "passes it: `--bf16` / `--fp16`, TrainingArguments(bf16=True); TrainingArguments built before "
-               "lightning_fp8.accelerate.enable_fp8() pass 'no'), and an explicit argument wins over the launch "
-               "setting, as in Accelerate")
-        fix = "Remove that argument (transformers: drop --bf16 / --fp16) to train in FP8."
+        if source is None:
+            source = precision_source.trace(explicit, None)
+        why = f"{source.why}, and an explicit argument wins over the launch setting, as in Accelerate"
+        fix = source.fix
     else:
         why = (f"an Accelerator built earlier in this process fixed mixed precision to {resolved!r} "
                "(AcceleratorState is one per process)")

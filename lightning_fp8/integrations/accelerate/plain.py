@@ -9,10 +9,11 @@ instance of the matching FP8 class (`FP8Accelerator`, or `FP8<YourClass>` = FP8A
                                     the caller's arguments, so the FP8 class sees exactly what the script passed
 
 Mixed precision then resolves as in Accelerate (the argument, else ACCELERATE_MIXED_PRECISION, else the existing
-AcceleratorState): "fp8" runs on the engine; any other value makes the FP8 class behave as its base class, and, since
-FP8 was requested, warns at the first `prepare` which setting won and why (FP8AcceleratorMixin). A script that passes
-one of Accelerate's own FP8 handlers (TERecipeKwargs, AORecipeKwargs, MSAMPRecipeKwargs, FP8RecipeKwargs) asked for
-that backend: it keeps `accelerate.Accelerator`, with a warning that lightning_fp8 is not the one running FP8.
+AcceleratorState; an argument a library chose by default does not count, precision_source.py): "fp8" runs on the
+engine; any other value makes the FP8 class behave as its base class, and, since FP8 was requested, warns at the first
+`prepare` which setting won and why (FP8AcceleratorMixin). A script that passes one of Accelerate's own FP8 handlers
+(TERecipeKwargs, AORecipeKwargs, MSAMPRecipeKwargs, FP8RecipeKwargs) asked for that backend: it keeps
+`accelerate.Accelerator`, with a warning that lightning_fp8 is not the one running FP8.
 
 Who installs it:
     python -m lightning_fp8.accelerate launch --mixed_precision fp8 train.py   each launched process (launch.py)
@@ -40,15 +41,16 @@ ACCELERATE_FP8_HANDLERS = ("FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs"
 def enable_fp8(kwargs: Optional[Any] = None) -> None:
     """Run FP8 on lightning_fp8's engine for every `accelerate.Accelerator` this process builds from now on,
     transformers' `Trainer` included. The one line for a script run without `python -m lightning_fp8.accelerate
-    launch`; call it before the Accelerator (for a Trainer: before `TrainingArguments`, which reads the precision from
-    the environment when it is built).
+    launch`; call it before the Accelerator is built (for a Trainer: before `TrainingArguments`, which read the
+    precision from the environment when built; arguments built earlier hold "no", which FP8 then overrides, and says
+    so: precision_source.py).
 
     kwargs: an `FP8Kwargs` with the options of those Accelerators that pass none themselves.
 
     It sets ACCELERATE_MIXED_PRECISION=fp8 for this process, unless the environment asks for bf16 or fp16 already
     (`accelerate launch --mixed_precision bf16`, to run a baseline with the same script): that choice is kept, and
-    said. An explicit `mixed_precision=` argument (transformers: `--bf16`) wins over both, as in Accelerate, with a
-    warning at the first `prepare`."""
+    said. An explicit `mixed_precision=` argument the user chose (transformers: `--bf16`) wins over both, as in
+    Accelerate, with a warning at the first `prepare`; one a library chose by default (trl's bf16) does not."""
     from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
 
     if kwargs is not None and not isinstance(kwargs, FP8Kwargs):
