@@ -416,10 +416,12 @@ def test_te_runs_every_mapped_recipe_the_gpu_takes_and_quantizes_current_scaling
     torch.manual_seed(0)
     ours = nn.Sequential(nn.Linear(256, 256, bias=False)).cuda()
     theirs = nn.Sequential(nn.Linear(256, 256, bias=False)).cuda()
+    with torch.no_grad():  # values BF16 holds exactly: a cast through BF16 first (either library's) changes nothing
+        ours[0].weight.copy_(ours[0].weight.bfloat16().float())
     theirs[0].weight = nn.Parameter(ours[0].weight.detach().clone())
     convert_to_fp8(ours, recipe)
     te_backend.convert_to_te(theirs, recipe)
-    x = torch.randn(128, 256, device="cuda")
+    x = torch.randn(128, 256, device="cuda").bfloat16().float()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         from lightning_fp8 import fp8_autocast
 

@@ -248,5 +248,6 @@ def te_recipe_from(recipe: FP8Recipe, te: ModuleType) -> Any:
     return te_recipe
 
 
-__all__ = ["TESTED_TE_VERSION", "TE_RECIPE_CLASSES", "TE_GEMM_BACKENDS", "FIELD_MAPPING", "Refusal", "te_refusals", "te_recipe_from",
+__all__ = ["TESTED_TE_VERSION", "TE_RECIPE_CLASSES", "TE_GEMM_BACKENDS", "FIELD_MAPPING", "Refusal", "te_refusals",
+           "te_recipe_from", "power_of_2_delayed_scale"]
            "power_of_2_delayed_scale"]
