@@ -250,4 +250,3 @@ def te_recipe_from(recipe: FP8Recipe, te: ModuleType) -> Any:
 
 __all__ = ["TESTED_TE_VERSION", "TE_RECIPE_CLASSES", "TE_GEMM_BACKENDS", "FIELD_MAPPING", "Refusal", "te_refusals",
            "te_recipe_from", "power_of_2_delayed_scale"]
-           "power_of_2_delayed_scale"]
