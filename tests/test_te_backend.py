@@ -158,6 +158,7 @@ REFUSALS = [  # (FP8Recipe arguments, the fields named with their values, the va
     ({"weight_grad": "high_precision"}, ["weight_grad='high_precision'"], "['quantized']"),
     ({"scaling": "nvfp4", "weight_grad": "high_precision"}, ["weight_grad='high_precision'"], "['quantized']"),
     ({"backend": "emulated"}, ["backend='emulated'"], "['auto', 'scaled_mm']"),
+    ({"backend": "h100"}, ["backend='h100'"], "['auto', 'scaled_mm']"),  # a GPU's bits computed anywhere: emulated too
     # the mellempudi preset: three fields at once, each named
     ({"format": "e5m2", "scaling": "current", "rounding": "stochastic", "scale_gradients": False},
      ["format='e5m2'", "rounding='stochastic'", "scale_gradients=False"], "['hybrid', 'e4m3']"),
@@ -166,7 +167,8 @@ REFUSALS = [  # (FP8Recipe arguments, the fields named with their values, the va
 
 @pytest.mark.parametrize("kwargs,named,valid", REFUSALS, ids=[
     "rowwise", "e5m2", "blockwise-e5m2", "stochastic", "mxfp8-stochastic", "current-margin", "blockwise-margin",
-    "block-size", "delayed-exact-accumulation", "wgrad-bf16", "nvfp4-wgrad-bf16", "emulated", "mellempudi"])
+    "block-size", "delayed-exact-accumulation", "wgrad-bf16", "nvfp4-wgrad-bf16", "emulated", "h100-model",
+    "mellempudi"])
 def test_what_te_cannot_express_is_refused_naming_the_field_and_the_valid_choices(te, kwargs, named, valid):
     with pytest.raises(ValueError) as raised:
         te_recipe_from(_recipe(**kwargs), te)
