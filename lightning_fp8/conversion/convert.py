@@ -30,7 +30,7 @@ from lightning_fp8.conversion.filters import (
     structural_skip_reason,
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
-from lightning_fp8.conversion.order import AUTO, LayerOrder, layer_order
+from lightning_fp8.conversion.order import AUTO, ExampleCall, LayerOrder, layer_order
 from lightning_fp8.modules.attention import ProjectedMultiheadAttention
 from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
 from lightning_fp8.modules.tensor_parallel import layout_of
@@ -45,6 +45,8 @@ WOULD_CONVERT = "would be converted (preview: convert_to_fp8 has not run on this
 WOULD_FP8 = "would-fp8"
 #: set on a model whose conversion summary was logged: the text, so the same summary is not logged twice
 SUMMARY_LOGGED_ATTR = "_fp8_summary_logged"
+#: set on an FP8 layer switched off only on the module order's first / last guess (`first_last_until_traced`)
+PROVISIONAL_ATTR = "_fp8_first_last_guess"
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def convert_to_fp8(
     layer_recipes: Optional[LayerRecipes] = None,
     example_input: Any = AUTO,
     verbose: bool = True,
+    first_last_until_traced: bool = False,
 ) -> nn.Module:
     """Replace the model's linear layers by FP8 layers in place, and return the model.
 
@@ -97,7 +100,12 @@ def convert_to_fp8(
     which layers share an input (the first/last rule, see lightning_fp8/conversion/order.py); by default one is
     looked for on the model. verbose: log the conversion summary (logger "lightning_fp8") and warn when little or
     nothing converts. Layers already converted are left alone, so converting twice is a no-op. A bare linear layer
-    passed as `model` is returned converted (there is no parent to replace it in)."""
+    passed as `model` is returned converted (there is no parent to replace it in).
+
+    first_last_until_traced: where no forward could be traced (no example input), the layers the module order
+    guesses first / last become FP8 layers switched off (`fp8_enabled=False`, the guess as their reason) instead of
+    staying plain, so that `settle_first_last(model, inputs)` can decide on the first real input by switching layers
+    on and off (what the Fabric and Accelerate adapters do at the model's first forward)."""
     recipe = _check_recipe(recipe)
     per_layer = normalize_layer_recipes(layer_recipes)
     decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input, layer_recipes=per_layer)
@@ -107,7 +115,8 @@ def convert_to_fp8(
     for fqn, reason in decisions.items():
         module = model.get_submodule(fqn) if fqn else model
         module.__dict__.pop(SKIP_REASON_ATTR, None)
-        if reason is not None:
+        provisional = first_last_until_traced and isinstance(reason, FirstLastReason) and reason.guessed
+        if reason is not None and not provisional:
             module.__dict__[SKIP_REASON_ATTR] = reason
             continue
         kind = kinds.linear_kind(module)
@@ -117,6 +126,10 @@ def convert_to_fp8(
             module.__dict__[SKIP_REASON_ATTR] = unsupported
             continue
         new = transplant.to_fp8(module, lambda m, kind=kind, r=layer_recipe: kind.convert(m, r))
+        if provisional:
+            new.fp8_enabled = False
+            new.fp8_disabled_reason = reason
+            new.__dict__[PROVISIONAL_ATTR] = True
         if not fqn:
             model = new
         else:
@@ -326,8 +339,15 @@ def _check_recipe(recipe: Optional[FP8Recipe]) -> FP8Recipe:
     return recipe
 
 
+class FirstLastReason(str):
+    """The first / last rule's reason for a layer; `guessed`: decided from the module order, not a traced forward."""
+
+    guessed: bool = False
+
+
 def _first_last_reasons(order: LayerOrder, model: nn.Module) -> Dict[str, str]:
-    how = "forward order, traced" if order.method == "traced" else f"{order.method}: {order.note}"
+    how = {"traced": "forward order, traced",
+           "module order": f"module order, a guess: {order.note}"}.get(order.method, f"{order.method}: {order.note}")
     reasons: Dict[str, str] = {}
     for which, group, head in (("last", order.last(), order.last_layer()), ("first", order.first(),
                                                                               order.first_layer())):
@@ -337,12 +357,49 @@ def _first_last_reasons(order: LayerOrder, model: nn.Module) -> Dict[str, str]:
         noun = "convolution" if kinds.family(module) == "convolution" else "linear layer"
         for fqn in group:
             if fqn == head:
-                reasons[fqn] = f"{which} {noun} kept in BF16 ({FIRST_LAST_SWITCH}; {how})"
+                reason = FirstLastReason(f"{which} {noun} kept in BF16 ({FIRST_LAST_SWITCH}; {how})")
             else:
                 basis = f" ({order.shared[fqn]})" if fqn in order.shared else ""
-                reasons[fqn] = (f"reads the same input as {head}{basis}, the {which} {noun}: kept in BF16 with it "
-                                f"({FIRST_LAST_SWITCH}; {how})")
+                reason = FirstLastReason(f"reads the same input as {head}{basis}, the {which} {noun}: kept in BF16 "
+                                         f"with it ({FIRST_LAST_SWITCH}; {how})")
+            reason.guessed = order.method == "module order"
+            reasons[fqn] = reason
     return reasons
+
+
+def provisional_layers(model: nn.Module) -> Dict[str, FP8Layer]:
+    """The layers `convert_to_fp8(first_last_until_traced=True)` left switched off on the module order's guess, not
+    settled yet by `settle_first_last`."""
+    return {fqn: m for fqn, m in fp8_layers(model).items() if m.__dict__.get(PROVISIONAL_ATTR)}
+
+
+def settle_first_last(model: nn.Module, example_input: Any) -> bool:
+    """Decide first / last from one forward on `example_input` (traced on the meta device where the model allows,
+    see conversion/order.py) over the layers conversion counted (FP8 layers computing in FP8, and the provisional
+    ones), and switch them accordingly: the first and last groups off with the traced reason, the other provisional
+    layers on. Returns whether the trace ran; where it fails, the guess stands with the failure in its reason.
+
+    example_input: what `layer_order` takes, or an `ExampleCall(args, kwargs)` of a real call."""
+    provisional = provisional_layers(model)
+    if not provisional:
+        return False
+    candidates = [fqn for fqn, layer in fp8_layers(model).items() if layer.fp8_enabled or fqn in provisional]
+    order = layer_order(model, candidates, example_input)
+    reasons = _first_last_reasons(order, model) if order.method == "traced" else {}
+    for fqn, layer in provisional.items():
+        del layer.__dict__[PROVISIONAL_ATTR]
+    if order.method != "traced":
+        for fqn, layer in provisional.items():
+            layer.fp8_disabled_reason = f"{layer.fp8_disabled_reason}; the first forward could not be traced either"
+        return False
+    for fqn in candidates:
+        layer = model.get_submodule(fqn) if fqn else model
+        if fqn in reasons:
+            layer.fp8_enabled = False
+            layer.fp8_disabled_reason = reasons[fqn]
+        elif fqn in provisional:
+            layer.fp8_enabled = True
+    return True
 
 
 def _parent_index(model: nn.Module) -> Dict[int, List[tuple]]:
@@ -374,6 +431,9 @@ __all__ = [
     "revert_fp8",
     "precision_map",
     "plan_conversion",
+    "settle_first_last",
+    "provisional_layers",
+    "ExampleCall",
     "fp8_layers",
     "is_converted",
 ]

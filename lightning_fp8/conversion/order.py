@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -43,6 +43,13 @@ from torch.utils._pytree import tree_map
 AUTO = "auto"
 #: the image size of a Hugging Face vision model's example input when its config has none
 VISION_DEFAULT_SIZE = 224
+
+
+class ExampleCall(NamedTuple):
+    """A real call's positional and keyword arguments, as an example input (the adapters' first forward)."""
+
+    args: tuple
+    kwargs: dict
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,14 @@ def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AU
         except Exception as error:  # a forward that cannot run on an example input: fall back to module order
             failures.append(f"{prefix or 'the model'}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
     untraced = [fqn for fqn in candidates if not any(_under(fqn, p) for p in traced)]
+    if failures:
+        note = "the example forward failed (" + "; ".join(failures) + ")"
+    elif not scopes:
+        note = "no example input to trace the forward (pass example_input, or set example_input_array)"
+    else:
+        note = "layers outside the traced Hugging Face model"
+    if not traced:
+        return module_order(model, candidates, note)
     siblings, shared = sibling_groups(model, untraced)
     groups: List[List[str]] = []
     order: List[str] = []
@@ -103,15 +118,53 @@ def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AU
             emitted.add(prefix)
             groups.extend(traced[prefix][0])
             order.extend(traced[prefix][1])
-    if not untraced and traced:
+    if not untraced:
         return LayerOrder(groups, "traced", order=order)
-    if failures:
-        note = "the example forward failed (" + "; ".join(failures) + ")"
-    elif not scopes:
-        note = "no example input to trace the forward (pass example_input, or set example_input_array)"
-    else:
-        note = "layers outside the traced Hugging Face model"
-    return LayerOrder(groups, "module order" if not traced else "partly traced", note, order=order, shared=shared)
+    return LayerOrder(groups, "partly traced", note, order=order, shared=shared)
+
+
+def module_order(model: nn.Module, candidates: List[str], note: str) -> LayerOrder:
+    """First / last without a trace: the order the layers were registered in, a guess, corrected where the model's
+    structure says otherwise, with the siblings known to read one input grouped (`sibling_groups`).
+
+    The correction: an output head (`output_heads`: the layer projecting onto the vocabulary of an embedding table)
+    reads what the model computes last, wherever it is registered (litgpt's GPT registers `lm_head` before its
+    blocks), so it moves to the end of the order. `note` says why no trace was made; the LayerOrder's note adds the
+    correction, so the reasons of the layers it decides say what was guessed and what was known."""
+    heads = output_heads(model, candidates)
+    ordered = [fqn for fqn in candidates if fqn not in heads] + [fqn for fqn in candidates if fqn in heads]
+    siblings, shared = sibling_groups(model, ordered)
+    groups = [list(siblings.get(fqn, [fqn])) for fqn in ordered if siblings.get(fqn, [fqn])[0] == fqn]
+    if heads and ordered != list(candidates):
+        note += "; " + "; ".join(f"{fqn} counted last: {why}" for fqn, why in heads.items())
+    return LayerOrder(groups, "module order", note, order=ordered, shared=shared)
+
+
+def output_heads(model: nn.Module, names: List[str]) -> Dict[str, str]:
+    """The layers among `names` that project onto the vocabulary of one of the model's embedding tables, {fqn: why}:
+    a weight that is the table itself (tied), or that has its shape (vocabulary x width) outside the model's repeated
+    blocks (a layer inside an nn.ModuleList / nn.ModuleDict is a block's, whatever its shape). A model's output
+    head, whatever its name and registration order."""
+    tables = [(fqn, m.weight) for fqn, m in model.named_modules()
+              if isinstance(m, nn.Embedding) and m.num_embeddings > 1 and isinstance(m.weight, torch.Tensor)]
+    in_blocks = {fqn for container_fqn, container in model.named_modules()
+                 if isinstance(container, (nn.ModuleList, nn.ModuleDict))
+                 for fqn in names if _under(fqn, container_fqn) and fqn != container_fqn}
+    heads: Dict[str, str] = {}
+    for fqn in names:
+        weight = getattr(model.get_submodule(fqn), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        for table_fqn, table in tables:
+            if weight is table:
+                heads[fqn] = f"its weight is the embedding table {table_fqn} (tied): it projects onto the vocabulary"
+                break
+            if tuple(weight.shape) == tuple(table.shape) and fqn not in in_blocks:
+                heads[fqn] = (f"its weight has the shape of the embedding table {table_fqn} "
+                              f"({table.shape[0]} x {table.shape[1]}) outside the repeated blocks: it projects onto "
+                              "the vocabulary")
+                break
+    return heads
 
 
 # -- siblings that read the same input, without a trace -----------------------------------------------------------
@@ -292,6 +345,8 @@ def _tensor_attributes_restored(root: nn.Module) -> Iterator[None]:
 
 def _call(root: nn.Module, inputs: Any, call=None):
     call = call or root
+    if isinstance(inputs, ExampleCall):
+        return call(*inputs.args, **inputs.kwargs)
     if isinstance(inputs, dict):
         return call(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -336,4 +391,4 @@ def _under(fqn: str, prefix: str) -> bool:
     return not prefix or fqn == prefix or fqn.startswith(prefix + ".")
 
 
-__all__ = ["LayerOrder", "layer_order", "sibling_groups", "ROLE_FAMILIES", "AUTO"]
+__all__ = ["ExampleCall", "LayerOrder", "layer_order", "module_order", "output_heads", "sibling_groups", "ROLE_FAMILIES", "AUTO"]

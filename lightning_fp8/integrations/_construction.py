@@ -37,8 +37,7 @@ from torch import nn
 from lightning_fp8.conversion.convert import _first_last_reasons, fp8_layers, plan_conversion
 from lightning_fp8.conversion.filters import scaling_skip_reason
 from lightning_fp8.conversion.layer_recipes import normalize_layer_recipes, recipe_for
-from lightning_fp8.conversion import order as order_rules
-from lightning_fp8.conversion.order import LayerOrder
+from lightning_fp8.conversion.order import LayerOrder, module_order
 from lightning_fp8.conversion.transplant import to_unconverted
 from lightning_fp8.distributed.all_gather import (
     disable_fp8_all_gather,
@@ -248,18 +247,8 @@ def _plan_after_sharding(core: "FP8PrecisionCore", model: nn.Module,
 
 
 def _module_order(model: nn.Module, candidates: List[str]) -> LayerOrder:
-    """First / last without a trace: registration order, with the siblings known to read one input grouped as
-    conversion/order.py groups them when it cannot trace (`sibling_groups`: q / k / v by name, ...)."""
-    siblings = getattr(order_rules, "sibling_groups", None)
-    by_layer: Dict[str, List[str]] = {}
-    shared: Dict[str, str] = {}
-    if siblings is not None:
-        by_layer, shared = siblings(model, candidates)
-    groups = [list(by_layer.get(fqn, [fqn])) for fqn in candidates if by_layer.get(fqn, [fqn])[0] == fqn]
-    try:
-        return LayerOrder(groups, "module order", AFTER_SHARDING_NOTE, order=list(candidates), shared=shared)
-    except TypeError:  # a LayerOrder without per-layer order
-        return LayerOrder(groups, "module order", AFTER_SHARDING_NOTE)
+    """First / last without a trace (conversion/order.py `module_order`: registration order corrected by structure)."""
+    return module_order(model, candidates, AFTER_SHARDING_NOTE)
 
 
 def _stand_in(layer: FP8Linear) -> nn.Module:

@@ -18,7 +18,14 @@ from typing import Any, Dict, Iterator, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from lightning_fp8.conversion.convert import convert_to_fp8, fp8_layers
+from lightning_fp8.conversion.convert import (
+    ExampleCall,
+    convert_to_fp8,
+    fp8_layers,
+    provisional_layers,
+    settle_first_last,
+)
+from lightning_fp8.conversion.order import AUTO
 from lightning_fp8.conversion.filters import ModuleFilter
 from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import log_conversion_summary
@@ -46,6 +53,10 @@ class FP8PrecisionCore:
     the Accelerate adapter drives a bare instance (`FP8Kwargs.build_core()`)."""
 
     precision = "fp8-mixed"
+    #: decide first / last at the model's first forward when conversion could not trace one (`example_input`); the
+    #: Lightning plugin traces the LightningModule's example_input_array instead (its training_step need not call
+    #: the module's forward)
+    trace_first_forward: bool = True
     #: option values this adapter refuses although they are valid, {(option, value): message}; construction raises
     #: ValueError(message) (the Fabric plugin: optimizer_state="fp8")
     unsupported_options: UnsupportedOptions = {}
@@ -75,6 +86,7 @@ class FP8PrecisionCore:
         fp8_all_gather: bool = True,
         gradient_communication: str = "bf16",
         backend: str = "lightning_fp8",
+        example_input: Any = None,
     ) -> None:
         """FP8 training of an unchanged model: its linear layers compute in FP8, the engine keeps the run stable.
 
@@ -124,6 +136,12 @@ class FP8PrecisionCore:
                 loss scaling, skip and rollback stay the engine's; FP8ScaleMonitor, FP8LayerFallback, FP8Calibration
                 and FP8 all-gather cannot see inside TE layers). Not FP8Recipe.backend, the GEMM implementation of
                 FP8Linear.
+            example_input: an input of the model for one forward traced on the meta device at conversion, which
+                finds the first and the last layers (docs/models.md, "What first and last mean"): a tensor, a tuple
+                of positional arguments or a dict of keyword arguments. None: the LightningModule's
+                `example_input_array` or a Hugging Face model's own; without one, the Fabric and Accelerate adapters
+                trace the first forward of the set-up model before it computes (until then the layers the module
+                order guesses first / last compute in BF16).
 
         Attributes `skipped_steps`, `rollbacks` and `loss_scale` count in iterations: one backward (or several,
         accumulated) and a step of every optimizer.
@@ -189,14 +207,33 @@ class FP8PrecisionCore:
             settle_constructed_layers(self, module)
             if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace
                 return adopt_sharded_module(self, module)
+            example = self.options.example_input if self.options.example_input is not None else AUTO
             module = convert_to_fp8(module, self.recipe, self.module_filter, layer_recipes=self.options.layer_recipes,
-                                    verbose=False)
-        self.log_summary(module)
+                                    example_input=example, verbose=False,
+                                    first_last_until_traced=self.trace_first_forward)
+        if provisional_layers(module):
+            self._settle_at_first_forward(module)  # the summary follows the decision
+        else:
+            self.log_summary(module)
         exclude_fp8_meta_from_ddp_broadcast(module)
         adopt_tensor_parallel(self, module)
         self._module = module
         self.engine.attach(module)
         return module
+
+    def _settle_at_first_forward(self, module: nn.Module) -> None:
+        """The first / last layers of a model no example input could trace are decided by its first forward, traced
+        on the meta device with that call's arguments before it computes (conversion/convert.py
+        `settle_first_last`); the conversion summary is logged then."""
+        handle = None
+
+        def settle(model: nn.Module, args: tuple, kwargs: dict) -> None:
+            handle.remove()
+            if settle_first_last(model, ExampleCall(tuple(args), dict(kwargs))):
+                self.engine.attach(model)  # the switches changed: the engine's per-layer record follows
+            self.log_summary(model)
+
+        handle = module.register_forward_pre_hook(settle, with_kwargs=True)
 
     def log_summary(self, module: nn.Module) -> bool:
         """The conversion summary of `module`, on rank zero, once per run: not again for a model whose FP8 layers a

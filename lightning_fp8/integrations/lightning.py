@@ -46,6 +46,9 @@ class FP8Precision(Precision, FabricFP8Precision):
     """
 
     unsupported_options = {}  # the Trainer shows the plugin its optimizers: optimizer_state="fp8" works here
+    # first / last: the LightningModule's example_input_array (or the plugin's example_input) is traced at conversion;
+    # its training_step need not call the module's own forward, so its first forward decides nothing
+    trace_first_forward = False
 
     # hooks of the Fabric plugin that Lightning's flow keeps as they were: forward_context (Fabric's starts an
     # iteration; here convert_input / train_step_context do, and the model summary's forward runs in it),
