@@ -14,8 +14,6 @@ Tolerances:
 from __future__ import annotations
 
 import copy
-import sys
-import types
 import warnings
 
 import pytest
@@ -163,95 +161,6 @@ def test_scaled_mm_backend_requires_capable_gpu():
     with pytest.raises(RuntimeError, match="compute capability"):
         fp8_gemm(_fp8((16, 16), E4, 1), torch.tensor(1.0), _fp8((16, 16), E4, 2), torch.tensor(1.0),
                  torch.float32, backend="scaled_mm")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Transformer Engine backend (TE is not installed here: error paths, and the recipe mapping on a stand-in)
-# ------------------------------------------------------------------------------------------------------------------
-def test_te_backend_clear_error_without_te():
-    from lightning_fp8.backends import transformer_engine as te_backend
-
-    if te_backend.te_available():
-        pytest.skip("Transformer Engine is installed")
-    for call in (
-        lambda: te_backend.convert_to_te(nn.Sequential(nn.Linear(16, 16))),
-        lambda: te_backend.te_recipe(FP8Recipe()),
-        lambda: te_backend.te_autocast(FP8Recipe()).__enter__(),
-    ):
-        with pytest.raises(ImportError, match="Transformer Engine is not installed.*pip install"):
-            call()
-
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    """A stand-in for TE's public API surface that te_backend uses (names as in TE 2.x's docs)."""
-    import enum
-    from dataclasses import dataclass
-
-    class Format(enum.Enum):
-        E4M3 = "e4m3"
-        E5M2 = "e5m2"
-        HYBRID = "hybrid"
-
-    @dataclass
-    class DelayedScaling:
-        margin: int = 0
-        fp8_format: Format = Format.HYBRID
-        amax_history_len: int = 1024
-        amax_compute_algo: str = "max"
-
-    @dataclass
-    class Float8CurrentScaling:
-        fp8_format: Format = Format.HYBRID
-
-    entered = []
-
-    class _Ctx:
-        def __init__(self, **kw):
-            self.kw = kw
-
-        def __enter__(self):
-            entered.append(self.kw)
-
-        def __exit__(self, *exc):
-            return False
-
-    def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None):
-        return _Ctx(enabled=enabled, recipe=recipe)
-
-    te_pkg, te_pt, te_common, te_recipe = (types.ModuleType(n) for n in (
-        "transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
-        "transformer_engine.common.recipe"))
-    te_recipe.Format, te_recipe.DelayedScaling, te_recipe.Float8CurrentScaling = Format, DelayedScaling, Float8CurrentScaling
-    te_pt.autocast = autocast
-    te_pt.Linear = lambda i, o, bias=True, params_dtype=None, device=None: nn.Linear(i, o, bias=bias, dtype=params_dtype, device=device)
-    for name, mod in (("transformer_engine", te_pkg), ("transformer_engine.pytorch", te_pt),
-                      ("transformer_engine.common", te_common), ("transformer_engine.common.recipe", te_recipe)):
-        monkeypatch.setitem(sys.modules, name, mod)
-    return types.SimpleNamespace(Format=Format, entered=entered)
-
-
-def test_te_recipe_mapping_and_autocast(fake_te):
-    from lightning_fp8.backends import transformer_engine as te_backend
-
-    r = te_backend.te_recipe(FP8Recipe(margin=1, amax_history_len=8, amax_compute_algo="most_recent"))
-    assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (1, fake_te.Format.HYBRID, 8, "most_recent")
-    cur = te_backend.te_recipe(FP8Recipe(scaling="current", format="e4m3"))
-    assert type(cur).__name__ == "Float8CurrentScaling" and cur.fp8_format == fake_te.Format.E4M3
-    for bad in (FP8Recipe(rounding="stochastic"), FP8Recipe(format="e5m2"), FP8Recipe(scale_gradients=False),
-                FP8Recipe(scaling="rowwise"), FP8Recipe(scaling="blockwise")):
-        with pytest.raises(ValueError, match="cannot express"):
-            te_backend.te_recipe(bad)
-    te_backend._warned.clear()
-    with pytest.warns(UserWarning, match="power-of-two"):  # the default recipe: TE keeps its exact scales, and says so
-        te_backend.te_recipe(FP8Recipe(power_of_2_scales=True))
-    with te_backend.te_autocast(FP8Recipe()):
-        pass
-    assert fake_te.entered and fake_te.entered[0]["enabled"] is True
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-    w = model[0].weight.detach().clone()
-    te_backend.convert_to_te(model)
-    assert torch.equal(model[0].weight, w) and model[2].out_features == 10  # 10 is not 16-aligned: left alone
 
 
 # ------------------------------------------------------------------------------------------------------------------
