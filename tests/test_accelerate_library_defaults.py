@@ -122,21 +122,37 @@ def test_bf16_typed_for_transformers_trainer_wins_with_a_warning_naming_it(tmp_p
     assert "mixed_precision=bf16 " in capsys.readouterr().out and gemms == 0
 
 
-@pytest.mark.parametrize("typed", [["--bf16", "true"], ["--bf16=True"], ["--bf16", "1"], ["yaml"], ["json"]])
-def test_every_way_of_typing_bf16_for_trl_counts_as_the_users(tmp_path, typed):
-    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none"}
-    if typed == ["json"]:  # an options file HfArgumentParser scripts take (run_clm's `python train.py args.json`)
-        (tmp_path / "args.json").write_text(json.dumps({**common, "bf16": True}))
+@pytest.mark.parametrize("typed, named", [
+    (["--bf16", "true"], "`--bf16 true` on the command line"),
+    (["--bf16=True"], "`--bf16=True` on the command line"),
+    (["--bf16", "1"], "`--bf16 1` on the command line"),
+    (["sft.yaml"], "bf16 in {tmp}/sft.yaml"),  # TrlParser's options file: --config sft.yaml
+    (["args.json"], "bf16 in {tmp}/args.json"),  # run_clm's `python train.py args.json`
+    (["train.args"], "`--bf16 true` in train.args"),  # the .args file HfArgumentParser reads next to the script
+])
+def test_every_way_of_typing_bf16_for_trl_counts_as_the_users(tmp_path, typed, named):
+    common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
+    if typed == ["args.json"]:
+        (tmp_path / "args.json").write_text(json.dumps({"output_dir": str(tmp_path), "use_cpu": True,
+                                                        "report_to": "none", "bf16": True}))
         sys.argv[:] = ["train.py", str(tmp_path / "args.json")]
         (args,) = HfArgumentParser(SFTConfig).parse_json_file(sys.argv[1])
     else:
-        if typed == ["yaml"]:  # TrlParser's options file
+        if typed == ["sft.yaml"]:
             (tmp_path / "sft.yaml").write_text("bf16: true\n")
-            typed = ["--config", str(tmp_path / "sft.yaml")]
-        sys.argv[:] = ["train.py", "--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", *typed]
+            sys.argv[:] = ["train.py", *common, "--config", str(tmp_path / "sft.yaml")]
+        elif typed == ["train.args"]:
+            (tmp_path / "train.args").write_text("--bf16 true\n")
+            sys.argv[:] = [str(tmp_path / "train.py"), *common]
+        else:
+            sys.argv[:] = ["train.py", *common, *typed]
         (args,) = TrlParser(SFTConfig).parse_args_and_config()
-    precision = Trainer(model=_gpt2(), args=args).accelerator.mixed_precision
-    assert precision == "bf16" and args.bf16 is True and args.mixed_precision == "bf16"
+    accelerator = Trainer(model=_gpt2(), args=args).accelerator
+    assert accelerator.mixed_precision == "bf16" and args.bf16 is True and args.mixed_precision == "bf16"
+    named = named.format(tmp=tmp_path)
+    with pytest.warns(UserWarning, match=re.escape(f"trl's SFTConfig: bf16=True, from {named})") + ".* NOT in FP8. "
+                                         + re.escape(f"Remove {named} to train in FP8.")):
+        accelerator.prepare(torch.nn.Linear(16, 16))
 
 
 def test_a_trl_default_loses_to_the_launch_and_the_arguments_say_so(tmp_path, caplog):

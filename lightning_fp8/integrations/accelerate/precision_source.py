@@ -31,13 +31,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 #: the precision fields of transformers' TrainingArguments, by the mixed precision each turns on
 PRECISION_FIELDS = {"bf16": "bf16", "fp16": "fp16"}
 #: option files HfArgumentParser-based scripts take on the command line (run_clm's `train.py args.json`, TrlParser's
 #: `--config sft.yaml`)
 _OPTION_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+#: the values HfArgumentParser's string_to_bool takes after a boolean flag (`--bf16 true`)
+_BOOL_WORDS = ("true", "false", "yes", "no", "1", "0", "t", "f", "y", "n")
 #: how far up the stack the Trainer is looked for (the Trainer's method is the Accelerator's direct caller; a few more
 #: frames for an Accelerator subclass whose __init__ calls super().__init__)
 _MAX_FRAMES = 64
@@ -135,7 +137,7 @@ def _unexplained(value: str, owner: str, args: Any) -> PrecisionSource:
     return PrecisionSource(
         value, False, args, None,
         why=(f"this Accelerator was built with mixed_precision={value!r} explicitly (transformers' Trainer passes "
-             f"{owner}' mixed_precision)"),
+             f"the mixed_precision of {owner})"),
         fix="Set the TrainingArguments' precision (bf16 / fp16 / mixed_precision) in the script to train in FP8.",
     )
 
@@ -175,29 +177,31 @@ def _field_default(cls: type, name: str) -> Any:
 
 
 def _given_on_command_line(field: str, argv: Sequence[str]) -> Optional[str]:
-    """How the command line sets `field`, as the user typed it ("`--bf16 true`", "bf16 in sft.yaml"), or None.
+    """Where the command line sets `field`, as the user typed it ("`--bf16 true` on the command line", "`--bf16` in
+    train.args", "bf16 in sft.yaml"), or None.
 
-    Reads what HfArgumentParser reads: the `.args` file next to the script, then the arguments (up to a bare `--`),
-    and the JSON / YAML options files named among them."""
-    tokens: List[str] = []
-    if argv:
+    Reads what HfArgumentParser reads: the `.args` file next to the script, the arguments (up to a bare `--`), and the
+    JSON / YAML options files named among them."""
+    sources = []
+    if argv and argv[0] and Path(argv[0]).name:  # no script name (an interactive session): no .args file
         args_file = Path(argv[0]).with_suffix(".args")
-        if argv[0] and args_file.is_file():
-            tokens += args_file.read_text().split()
-    tokens += list(argv[1:])
+        if args_file.is_file():
+            sources.append((f"in {args_file.name}", args_file.read_text().split()))
+    sources.append(("on the command line", list(argv[1:])))
     names = {field, f"no_{field}"}
-    for i, token in enumerate(tokens):
-        if token == "--":
-            break
-        if token.startswith("--"):
-            name, has_value, _ = token[2:].partition("=")
-            if name.replace("-", "_") in names:
-                following = tokens[i + 1] if i + 1 < len(tokens) else ""
-                if not has_value and following.lower() in ("true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"):
-                    token = f"{token} {following}"
-                return f"`{token}` on the command line"
-        elif token.endswith(_OPTION_FILE_SUFFIXES) and field in _option_file_keys(token):
-            return f"{field} in {token}"
+    for where, tokens in sources:
+        for i, token in enumerate(tokens):
+            if token == "--":
+                break
+            if token.startswith("--"):
+                name, has_value, _ = token[2:].partition("=")
+                if name.replace("-", "_") in names:
+                    following = tokens[i + 1] if i + 1 < len(tokens) else ""
+                    if not has_value and following.lower() in _BOOL_WORDS:
+                        token = f"{token} {following}"
+                    return f"`{token}` {where}"
+            elif token.endswith(_OPTION_FILE_SUFFIXES) and field in _option_file_keys(token):
+                return f"{field} in {token}"
     return None
 
 
