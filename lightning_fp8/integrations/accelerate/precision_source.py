@@ -99,7 +99,7 @@ def trace(value: Any, frame: Optional[FrameType], argv: Optional[Sequence[str]] 
                 value, True, args, None,
                 why=(f"{owner}, built before FP8 was requested, read mixed_precision 'no' from "
                      "ACCELERATE_MIXED_PRECISION then (bf16 and fp16 are off)"),
-                fix="To train without mixed precision, launch with --mixed_precision no.",
+                fix="To train without FP8, leave out lightning_fp8.accelerate.enable_fp8().",
             )
         return _unexplained(value, owner, args)
     field = PRECISION_FIELDS.get(value)
