@@ -1189,3 +1189,115 @@ def test_hardware_fp8_cast_only_where_it_compiles_and_rounds_once():
     assert not any(hardware_cast_exact(cap, (3, 9)) for cap in [(8, 0), (8, 6), (8, 7), None])
     assert not hardware_cast_exact((8, 9), (3, 6)) and hardware_cast_exact((8, 9), (3, 9))
     assert all(hardware_cast_exact(cap, (3, 6)) for cap in [(9, 0), (10, 0), (12, 0)])
+
+
+# -- GEMM contract against the recorded hardware: cuBLASLt's acceptance and the GPU's bits (mmaemu) -------------------
+#: mmaemu models `torch._scaled_mm` with per-tensor scales as recorded on an H100 PCIe ("hopper") and an RTX 4060
+#: ("ada"), both cuBLASLt 12.8.3.14: which calls the GPU took, how it split K, and the bits it returned
+import itertools  # noqa: E402
+
+HAS_MMAEMU = importlib.util.find_spec("mmaemu") is not None
+needs_mmaemu = pytest.mark.skipif(not HAS_MMAEMU, reason="needs mmaemu (pip install 'lightning-fp8[h100]')")
+MMAEMU_PROFILES = {"sm89": "ada", "sm90": "hopper"}
+#: the suite's shapes, and one whose sm90 forward and weight-gradient calls the H100's records decide (K >= 1024 and a
+#: large enough output: its envelope), so both GPUs' bits are compared below
+MMAEMU_SHAPES = SMALL_SHAPES + [(1024, 1024, 64)]
+ROLES = ("forward", "dgrad", "wgrad")
+
+
+def _per_tensor_calls(shapes, device, cases=None):
+    """(where, role, arch, request, planned call) of every GEMM of a per-tensor FP8Linear forward + backward, for
+    every per-tensor recipe and every (output dtype, bias) of `cases` (default: all), planned for sm89 and sm90."""
+    cases = cases or [(out, bias) for out in OUT_DTYPES for bias in (False, True)]
+    for shape in shapes:
+        for scaling in ("delayed", "current"):
+            for out, bias in cases:
+                records = layer_gemms(RECIPES[scaling], shape, OUT_DTYPES[out], bias, device=device)
+                for (role, ops), arch in itertools.product(zip(ROLES, records), MMAEMU_PROFILES):
+                    call = plan_scaled_mm(ops, target_for(ARCHS[arch]))
+                    where = f"{arch} {role} of {shape} {scaling} {out} bias={bias}"
+                    assert isinstance(call, ScaledMMCall) and call.kind == TENSORWISE, where
+                    yield where, role, arch, ops, call
+
+
+def _explain(call, arch):
+    import mmaemu
+
+    return mmaemu.explain(call.mat_a, call.mat_b, call.scale_a, call.scale_b, bias=call.bias,
+                          out_dtype=call.out_dtype, use_fast_accum=call.use_fast_accum,
+                          profile=MMAEMU_PROFILES[arch])
+
+
+@needs_mmaemu
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_every_planned_per_tensor_call_is_one_cublaslt_took(device):
+    """Every per-tensor call the planner issues for sm89 / sm90 (the suite's small shapes on CPU, its LLaMA shapes on
+    meta; every output dtype, with and without bias) passes the checks mmaemu recorded on the GPU (torch 2.7.1's
+    argument checks, cuBLASLt's layout, alignment and leading-dimension rules, the profile's rejections): never
+    ReferenceRejectsError. The only refusals are outside mmaemu's scope (a bias inside the call, which cuBLASLt took
+    but mmaemu does not model) or a split-K decision it cannot make."""
+    from mmaemu import ReferenceRejectsError  # noqa: F401  (the class whose name must never appear)
+
+    decided = {arch: 0 for arch in MMAEMU_PROFILES}
+    for where, role, arch, ops, call in _per_tensor_calls(SMALL_SHAPES if device == "cpu" else LARGE_SHAPES, device):
+        with torch.no_grad():  # as inside the GEMM op (mmaemu refuses inputs that require grad under grad mode)
+            plan = _explain(call, arch)
+        if plan.validation == "ok":
+            decided[arch] += 1
+            continue
+        kind, message = plan.validation
+        assert kind != "ReferenceRejectsError", f"{where}: {call.describe()} was rejected on the GPU: {message}"
+        assert kind in ("UnsupportedFeatureError", "SplitKUnknownError"), (where, kind, message)
+        assert kind != "UnsupportedFeatureError" or (call.bias is not None and "bias" in message), (where, message)
+    # the H100's records start at K = 1024: the small shapes' sm90 calls are all undecided
+    assert decided["sm89"] and (decided["sm90"] or device == "cpu"), decided
+
+
+@needs_mmaemu
+def test_planned_per_tensor_calls_return_the_gpus_bits_through_the_modelled_backend(monkeypatch):
+    """Where the GPU's split-K decision is known, a planned call run the way the GPU path runs it (`ScaledMMCall.launch`,
+    with `torch._scaled_mm` answered by mmaemu's model of that GPU) and the same GEMM through
+    FP8Recipe(backend="h100" / "rtx4060") agree bit for bit: the backend computes the calls the GPU path issues.
+    On the first rows of each call (an output element depends on its row and column and on the split, which is the
+    full call's)."""
+    import mmaemu
+
+    from lightning_fp8.modules.gpu_model import known_splits
+    from lightning_fp8.modules.scaled_mm import _cpu_scaled_mm_runs
+
+    assert _cpu_scaled_mm_runs(TENSORWISE)
+    backends = {"sm89": "rtx4060", "sm90": "h100"}
+    rows, compared, seen = 4, {arch: set() for arch in MMAEMU_PROFILES}, set()
+    # the two ways a GEMM's output is finished: rounded by the call (bf16), or a float32 output plus the bias
+    for where, role, arch, ops, call in _per_tensor_calls(MMAEMU_SHAPES, "cpu", [("bf16", False), ("fp32", True)]):
+        with torch.no_grad():  # as inside the GEMM op
+            plan = _explain(call, arch)
+        if plan.validation != "ok":
+            continue
+        key = (arch, role, tuple(call.mat_a.shape), tuple(call.mat_b.shape), call.out_dtype, call.bias is not None,
+               ops.bias is not None)
+        if key in seen:  # the same call for another scaling: its bits were compared once
+            continue
+        seen.add(key)
+        split = plan.split.S if plan.split.S == 1 else (plan.split.S, plan.split.scheme)
+        sliced = ops._replace(a=ops.a._replace(data=ops.a.data[:rows]))
+
+        def gpu_scaled_mm(mat_a, mat_b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+            return mmaemu.scaled_mm(mat_a, mat_b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                                    use_fast_accum=use_fast_accum, profile=MMAEMU_PROFILES[arch], splitk=split)
+
+        with monkeypatch.context() as patch, torch.no_grad():
+            patch.setattr(torch, "_scaled_mm", gpu_scaled_mm)
+            gpu = dataclasses.replace(call, mat_a=call.mat_a[:rows]).launch()
+        with known_splits({(rows, call.mat_a.shape[1], call.mat_b.shape[1]): split}):
+            backend = _run_backend(sliced, backends[arch])
+        assert gpu.dtype == backend.dtype == ops.out_dtype, where
+        assert torch.equal(gpu.view(torch.uint8), backend.view(torch.uint8)), where
+        compared[arch].add(role)
+    assert compared == {"sm89": set(ROLES), "sm90": {"forward", "wgrad"}}, compared
+
+
+def _run_backend(ops, backend):
+    from lightning_fp8.modules.gemm import fp8_gemm
+
+    return fp8_gemm(ops.a, ops.b, ops.out_dtype, ops.bias, ops.use_fast_accum, backend=backend)
