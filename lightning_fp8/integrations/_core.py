@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import (
+    PROVISIONAL_ATTR,
     ExampleCall,
     convert_to_fp8,
     fp8_layers,
@@ -167,6 +168,8 @@ class FP8PrecisionCore:
         self._summary_deferred = False
         self._summarized_layers: set = set()
         self._summarized_models: set = set()
+        #: id(model) -> the forward pre-hook deciding its first / last layers at its first forward
+        self._first_forward_hooks: Dict[int, Any] = {}
         self._set_up_framework()
 
     def _set_up_framework(self) -> None:
@@ -225,15 +228,24 @@ class FP8PrecisionCore:
         """The first / last layers of a model no example input could trace are decided by its first forward, traced
         on the meta device with that call's arguments before it computes (conversion/convert.py
         `settle_first_last`); the conversion summary is logged then."""
-        handle = None
 
         def settle(model: nn.Module, args: tuple, kwargs: dict) -> None:
-            handle.remove()
-            if settle_first_last(model, ExampleCall(tuple(args), dict(kwargs))):
-                self.engine.attach(model)  # the switches changed: the engine's per-layer record follows
+            self._first_forward_hooks.pop(id(model)).remove()
+            settle_first_last(model, ExampleCall(tuple(args), dict(kwargs)))  # switches only: the engine is unchanged
             self.log_summary(model)
 
-        handle = module.register_forward_pre_hook(settle, with_kwargs=True)
+        self._first_forward_hooks[id(module)] = module.register_forward_pre_hook(settle, with_kwargs=True)
+
+    def keep_first_last_guess(self, module: nn.Module) -> None:
+        """A model about to be sharded or parallelized (its first forward would run collectives on shards): its first
+        / last layers stay as the module order guessed (switched off, the guess as reason), and the summary says so
+        when it is logged."""
+        handle = self._first_forward_hooks.pop(id(module), None)
+        for layer in provisional_layers(module).values():
+            del layer.__dict__[PROVISIONAL_ATTR]
+        if handle is not None:
+            handle.remove()
+            self.log_summary(module)  # held back for the first forward's decision
 
     def log_summary(self, module: nn.Module) -> bool:
         """The conversion summary of `module`, on rank zero, once per run: not again for a model whose FP8 layers a

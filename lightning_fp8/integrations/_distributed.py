@@ -69,6 +69,7 @@ def convert_for_fsdp(core: "FP8PrecisionCore", module: nn.Module) -> nn.Module:
             "sharded). Call it first in configure_model / your parallelize function, then fully_shard."
         )
     module = core.convert_module(module)
+    core.keep_first_last_guess(module)  # sharded next: its first forward is not traced
     if core.options.fp8_all_gather:
         decisions = enable_fp8_all_gather(module)
         if not core._summary_deferred:  # deferred: the strategy's conversion logs it with the summary, if FSDP2 sharded
@@ -87,6 +88,7 @@ def prepare_for_sharding(core: "FP8PrecisionCore", module: nn.Module) -> bool:
     not shard."""
     from lightning_fp8.conversion.convert import is_converted, precision_map
 
+    core.keep_first_last_guess(module)  # no trace of a first forward that would run the sharded model's collectives
     if (is_fsdp_sharded(module) or getattr(core, "_sharding_root", None) is not None
             or core.options.backend != "lightning_fp8"):  # the TE backend refuses FSDP2 at the strategy's conversion
         return False

@@ -20,7 +20,7 @@ if __name__ == "__main__":
     report = {
         "mixed_precision": accelerator.mixed_precision,
         "env": os.environ.get("ACCELERATE_MIXED_PRECISION"),
-        "fp8_layers": sum(isinstance(m, FP8Linear) for m in model.modules()),
+        "fp8_layers": sum(isinstance(m, FP8Linear) and m.fp8_enabled for m in model.modules()),
         "engine": accelerator.fp8_engine is not None,
         "out_dtype": str(out.dtype),
     }
