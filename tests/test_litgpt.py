@@ -366,3 +366,27 @@ def test_the_command_as_users_run_it_pretrains_in_fp8_with_torch_compile(pretrai
     assert len(losses) == PRETRAIN_ITERS and all(math.isfinite(value) for value in losses)
     checkpoint = torch.load(out_dir / "final" / "lit_model.pth", weights_only=True)
     assert checkpoint[fp8_litgpt.CHECKPOINT_KEY]["fp8_meta"]
+
+
+def test_without_litgpt_the_entry_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "litgpt.__main__", None)  # what `import` meets where litgpt is not installed
+    with pytest.raises(SystemExit, match="pip install --no-deps litgpt"):
+        main(["pretrain", "--precision", "fp8"])
+
+
+def test_without_requests_litgpts_cli_runs_with_url_config_files_off(monkeypatch, capsys):
+    """litgpt's CLI turns URL config files on (twice: at start and when it saves hyperparameters.yaml), which
+    jsonargparse refuses without `requests` (no longer installed with huggingface_hub >= 1)."""
+    import importlib.util
+
+    import jsonargparse
+    import litgpt.__main__ as litgpt_cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "requests" else find_spec(name, *a))
+    original = jsonargparse.set_config_read_mode
+    with fp8_litgpt._config_files_readable(litgpt_cli):
+        litgpt_cli.set_config_read_mode(urls_enabled=True)
+        jsonargparse.set_config_read_mode(urls_enabled=True)
+    assert jsonargparse.set_config_read_mode is original and litgpt_cli.set_config_read_mode is original
+    assert capsys.readouterr().err.count("`requests` is not installed") == 1

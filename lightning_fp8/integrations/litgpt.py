@@ -293,7 +293,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
     each holds the model it set up (`plugin._module`) and its engine, for a caller that runs litgpt in process."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = parse_command_line(argv)
-    import litgpt.__main__ as litgpt_cli
+    try:
+        import litgpt.__main__ as litgpt_cli
+    except ImportError as error:  # litgpt, or a package its commands import
+        raise SystemExit(f"{PROG}: litgpt's command line cannot be imported ({error}); beside transformers 5: "
+                         "pip install --no-deps litgpt==0.5.13 and the packages its commands import (docs/models.md, "
+                         "'litgpt')") from None
 
     saved_argv, saved_env = sys.argv, os.environ.get(ENV_OPTIONS)
     # litgpt parses sys.argv (and again when it saves hyperparameters.yaml); Lightning's launcher re-runs
