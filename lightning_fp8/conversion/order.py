@@ -332,15 +332,26 @@ def _trace(root: nn.Module, prefix: str, candidates: List[str], inputs: Any) -> 
 @contextlib.contextmanager
 def _tensor_attributes_restored(root: nn.Module) -> Iterator[None]:
     """Put back tensors that forward code stores as plain attributes (the hook-based weight_norm / spectral_norm
-    recompute `module.weight` that way, caches do too), so a traced forward leaves no meta tensor behind."""
-    saved = [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}) for m in root.modules()]
+    recompute `module.weight` that way, caches do too) and the buffers and parameters it registers on first use
+    (litgpt's LoRA layer registers an index buffer on its weight's device), so a traced forward leaves no meta tensor
+    behind."""
+    saved = [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}, dict(m._buffers),
+              set(m._non_persistent_buffers_set), dict(m._parameters)) for m in root.modules()]
     try:
         yield
     finally:
-        for module, tensors in saved:
+        for module, tensors, buffers, non_persistent, parameters in saved:
             for key in [k for k, v in module.__dict__.items() if isinstance(v, torch.Tensor) and k not in tensors]:
                 del module.__dict__[key]
             module.__dict__.update(tensors)
+            if module._buffers.keys() != buffers.keys():
+                module._buffers.clear()
+                module._buffers.update(buffers)
+                module._non_persistent_buffers_set.clear()
+                module._non_persistent_buffers_set.update(non_persistent)
+            if module._parameters.keys() != parameters.keys():
+                module._parameters.clear()
+                module._parameters.update(parameters)
 
 
 def _call(root: nn.Module, inputs: Any, call=None):

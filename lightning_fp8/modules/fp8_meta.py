@@ -193,7 +193,10 @@ def report_restarted_scaling() -> None:
     checkpoints do) clears the note before anything is said."""
     metas = list(_RESTARTED)
     _RESTARTED.clear()
-    names = sorted({meta.restarted_as for meta in metas if meta.restarted_as is not None})
+    # only layers that compute in FP8 (a layer switched off, e.g. a first / last one, uses no scale); one host read
+    # per layer, once per load
+    names = sorted({meta.restarted_as for meta in metas
+                    if meta.restarted_as is not None and not meta.is_meta and bool(meta.enabled)})
     for meta in metas:
         meta.restarted_as = None
     if not names:
