@@ -10,7 +10,7 @@ import lightning_fp8
 
 PACKAGE = pathlib.Path(lightning_fp8.__file__).parent
 #: the top level holds the public entry points and the recipe only
-TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py", "state_format.py"}
+TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py", "state_format.py", "litgpt.py"}
 
 
 def test_public_import_paths():
