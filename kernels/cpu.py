@@ -7,7 +7,11 @@ scales. These twins compute the same bits with less:
 - the scale of a cast is derived on the host, in IEEE float32 arithmetic (numpy float32 scalars: correctly rounded
   divisions, as torch's), from one `tolist()` of the role's amax history: one operation instead of a chain of 0-d ones;
 - the clamp of `quantize` is skipped when the tensor's amax shows that nothing can saturate (it is then the
-  identity; one reduction costs less than the clamp, so nearest rounding always takes the amax);
+  identity; one reduction costs less than the clamp, so nearest rounding always takes the amax), and a cast that
+  needs no amax (the backward's weight re-cast) skips the reduction too where torch's own cast to the format
+  saturates exactly as the clamp does (E4M3 from torch 2.12: `_cast_saturates_like_the_clamp`);
+- a BF16 tensor with a power-of-two scale is scaled in BF16 (every product exact, as in float32) and cast from there:
+  no float32 copy;
 - everything else is the reference's own tensor operations.
 
 Every output and state write of these equals the reference's, bit for bit, for every recipe, history, edge value and
@@ -15,6 +19,7 @@ NaN / inf. Set LIGHTNING_FP8_CPU_REFERENCE=1 to run the reference instead.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -69,10 +74,33 @@ def _fits(amax: float, scale: float, fmt: FP8Format) -> bool:
 
 def _cast_unclamped(x: torch.Tensor, scale: float, fmt: FP8Format) -> torch.Tensor:
     """`quantize` (nearest) where `_fits` holds: x in float32 times the scale, cast; one float32 buffer, scaled in
-    place when x was not float32 already."""
+    place when x was not float32 already. A BF16 x with a power-of-two scale is scaled in BF16 instead: the product
+    of a BF16 value and 2^k is exact in BF16 wherever it is a normal number (BF16 has float32's exponent range), and
+    below BF16's normal range (2^-126) every value casts to a signed zero either way, so the cast sees the float32
+    product's value."""
+    if x.dtype == torch.bfloat16 and _power_of_2(scale):
+        return (x * scale).to(fmt.dtype)
     y = x.to(torch.float32)
     y = y.mul_(scale) if y is not x else y * scale
     return y.to(fmt.dtype)
+
+
+def _power_of_2(value: float) -> bool:
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_saturates_like_the_clamp(dtype: torch.dtype) -> bool:
+    """Whether this torch's CPU cast of float32 to `dtype` equals `quantize`'s clamp-then-cast on every value: on
+    the finite range's boundary and beyond it, on +-inf and NaN, through the vectorised and the scalar loop. True for
+    E4M3 from torch 2.12 (it saturates, +inf to 448); False for E5M2 (it overflows to inf) and older torch."""
+    fmt_max = torch.finfo(dtype).max
+    edges = torch.tensor([fmt_max, fmt_max * 1.03, fmt_max * 1.0625, fmt_max * 1.07, fmt_max * 2, 3.0e38,
+                          float("inf"), float("nan")])
+    values = torch.cat([edges, -edges, torch.logspace(-40, 38, 4000), -torch.logspace(-40, 38, 4000)])
+    direct = values.to(dtype).view(torch.uint8)
+    clamped = values.clamp(-fmt_max, fmt_max).to(dtype).view(torch.uint8)
+    return bool(torch.equal(direct, clamped))
 
 
 def scaled_cast_cpu(
@@ -125,11 +153,17 @@ def cast_cpu(
 ) -> Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]]:
     """The CPU twin of `reference.cast_reference` for nearest rounding with a scalar scale (a weight re-cast in
     backward with the forward's scale): the amax first, and when it shows nothing saturates, the scaled values cast
-    without `quantize`'s clamp. None where it does not apply (the caller runs the reference)."""
+    without `quantize`'s clamp; without an amax to return, a float32 x whose cast saturates like the clamp is cast
+    directly. None where it does not apply (the caller runs the reference)."""
     if scale.numel() != 1 or not (write_row or write_t):
         return None
+    factor = float(scale.reshape(()).to(torch.float32))
+    if not compute_amax and x.dtype == torch.float32 and _cast_saturates_like_the_clamp(fmt.dtype):
+        # torch's cast is quantize's clamp-then-cast on every value: no amax needed to skip the clamp
+        q = (x * factor).to(fmt.dtype)
+        return (q if write_row else None), (q.t().contiguous() if write_t else None), None
     amax_t = fast_amax(x)
-    amax, factor = float(amax_t), float(scale.reshape(()).to(torch.float32))
+    amax = float(amax_t)
     if not _fits(amax, factor, fmt):  # saturation, inf or NaN: the reference
         return None
     q = _cast_unclamped(x, factor, fmt)

@@ -13,8 +13,10 @@ dequantization on other devices. The definitions: `numerics.tiles.tiled_gemm_ref
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -69,18 +71,32 @@ def _tensorwise(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
 
 def _bf16_tensorwise(operands: GemmOperands) -> Tensor:
     """Why a BF16 GEMM is exact here: every FP8 value is exact in BF16 (`fp8_bf16_image`); this CPU's BF16 GEMMs
-    multiply exactly and accumulate in float32, like the tensor cores; and with power-of-two scales the final scaling
-    commutes with the one rounding to BF16: round(acc) * 2^k == round(acc * 2^k) (outside BF16's subnormal range).
-    A bias is added before the rounding (addmm with the bias divided by the scale, exact for a power of two), as the
-    scaled GEMM adds it in its float32 epilogue."""
+    multiply exactly and accumulate in float32, like the tensor cores; and with power-of-two scales the scaling
+    commutes with every rounding: round(acc) * 2^k == round(acc * 2^k) (outside BF16's subnormal range).
+
+    So the combined scale s = scale_a * scale_b goes into B's image (its table, `fp8_bf16_image(..., scale=s)`: no
+    pass of its own) where that changes no rounding: every nonzero |B value * s| and every nonzero partial sum (a
+    multiple of 2^-32 * s, the finest grid of a product of two FP8 values) stays a normal number and far from
+    overflow, which s in [2^-94, 2^60] guarantees. Elsewhere the output is scaled after the GEMM. A bias is added before the one
+    rounding (addmm), as the scaled GEMM adds it in its float32 epilogue."""
     a, b, bias = operands.a, operands.b, operands.bias
-    a_img, b_img = fp8_bf16_image(a.data), fp8_bf16_image(b.data)
-    scale = a.scale_inv.to(torch.float32) * b.scale_inv.to(torch.float32)
+    scale = float(a.scale_inv) * float(b.scale_inv)  # powers of two: the product is exact
+    a_img = fp8_bf16_image(a.data)
+    if _FOLDABLE[0] <= scale <= _FOLDABLE[1]:
+        b_img = fp8_bf16_image(b.data, scale=scale)
+        if bias is None:
+            return torch.mm(a_img, b_img)
+        return torch.addmm(bias.to(torch.bfloat16), a_img, b_img)
+    b_img = fp8_bf16_image(b.data)
     if bias is None:
         out = torch.mm(a_img, b_img)
-    else:
+    else:  # the bias divided by the scale: exact for a power of two
         out = torch.addmm(bias.to(torch.bfloat16) / scale, a_img, b_img)
     return out.mul_(scale)
+
+
+#: the power-of-two scales `_bf16_tensorwise` folds into an operand's image (its docstring says why)
+_FOLDABLE = (2.0**-94, 2.0**60)
 
 
 def _is_power_of_2(scale: Tensor) -> bool:
@@ -160,39 +176,84 @@ def _float32_image(x: Tensor) -> Tensor:
 
 
 #: BF16 value of every FP8 code, per format (a NaN code maps to NaN), and the same for every pair of codes (two
-#: BF16 values packed in one int32, first element in the low half, as they lie in memory): one gather per two elements
+#: BF16 values packed in one int32, first element in the low half, as they lie in memory): one gather per two elements.
+#: Pair tables of values times a power-of-two scale (`fp8_bf16_image(..., scale=)`) are kept for the last few scales.
 _BF16_OF_CODE = {
     dtype: torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.bfloat16)
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 }
-_BF16_OF_CODE_PAIR: dict = {}
+_BF16_OF_CODE_PAIR: "collections.OrderedDict" = collections.OrderedDict()
+_PAIR_TABLES_KEPT = 16
 
 
-def _pair_table(dtype: torch.dtype) -> Tensor:
-    table = _BF16_OF_CODE_PAIR.get(dtype)
+def _pair_table(dtype: torch.dtype, scale: float = 1.0) -> Tensor:
+    key = (dtype, scale)
+    table = _BF16_OF_CODE_PAIR.get(key)
     if table is None:
-        single = _BF16_OF_CODE[dtype]
+        single = _BF16_OF_CODE[dtype] if scale == 1.0 else _BF16_OF_CODE[dtype] * scale  # exact: see the caller
         codes = torch.arange(65536, dtype=torch.int32)
         low, high = single[(codes & 0xFF).long()], single[(codes >> 8).long()]
-        table = _BF16_OF_CODE_PAIR[dtype] = torch.stack([low, high], dim=-1).view(torch.int32).reshape(-1)
+        table = _BF16_OF_CODE_PAIR[key] = torch.stack([low, high], dim=-1).view(torch.int32).reshape(-1)
+        while len(_BF16_OF_CODE_PAIR) > _PAIR_TABLES_KEPT:
+            _BF16_OF_CODE_PAIR.popitem(last=False)
+    else:
+        _BF16_OF_CODE_PAIR.move_to_end(key)
     return table
 
 
-def fp8_bf16_image(x: Tensor) -> Tensor:
-    """The BF16 tensor with exactly x's values (every FP8 value is exact in BF16).
+def fp8_bf16_image(x: Tensor, scale: float = 1.0) -> Tensor:
+    """The BF16 tensor with exactly x's values (every FP8 value is exact in BF16), times `scale`, a power of two that
+    keeps every nonzero value a normal BF16 number (the caller's to ensure: then the product is exact too).
 
     Why a table: torch's float8 -> bf16 conversion is a scalar loop on CPU; looking the codes up two at a time (a
     uint16) in a 65536-entry table of BF16 pairs is a vectorised gather. A transposed view is converted through its
-    contiguous storage and comes back with the same strides (no copy for layout)."""
+    contiguous storage and comes back with the same strides (no copy for layout). The last unscaled images made on a
+    CPU are remembered with the FP8 tensor they came from (weakly: they go when it goes, and a write to it makes them
+    stale), so a tensor two GEMMs read, as the output gradient is by the input- and the weight-gradient GEMMs, is
+    converted once."""
     if x.dtype not in _BF16_OF_CODE:
         raise TypeError(f"fp8_bf16_image expects a float8 tensor, got {x.dtype}")
     if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
-        return fp8_bf16_image(x.t()).t()
+        return fp8_bf16_image(x.t(), scale).t()
+    cache = scale == 1.0 and x.device.type == "cpu"
+    if cache:
+        image = _recent_image(x)
+        if image is not None:
+            return image
     codes = x.contiguous().view(torch.uint8).reshape(-1)
     if codes.numel() % 2 == 0 and x.device.type == "cpu":
         pairs = codes.view(torch.uint16).to(torch.int32)
-        return _pair_table(x.dtype).index_select(0, pairs).view(torch.bfloat16).reshape(x.shape)
-    return _BF16_OF_CODE[x.dtype].to(x.device).index_select(0, codes.to(torch.int32)).reshape(x.shape)
+        image = _pair_table(x.dtype, scale).index_select(0, pairs).view(torch.bfloat16).reshape(x.shape)
+    else:
+        single = _BF16_OF_CODE[x.dtype].to(x.device)
+        image = (single if scale == 1.0 else single * scale).index_select(0, codes.to(torch.int32)).reshape(x.shape)
+    if cache:
+        _remember_image(x, image)
+    return image
+
+
+#: (weak reference to the FP8 tensor's base, its version, the view's layout, the image), most recent last
+_recent_images: list = []
+_IMAGES_KEPT = 2
+
+
+def _image_key(x: Tensor):
+    base = x if x._base is None else x._base
+    return base, (base._version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype)
+
+
+def _recent_image(x: Tensor) -> Optional[Tensor]:
+    base, key = _image_key(x)
+    for ref, known, image in _recent_images:
+        if ref() is base and known == key:
+            return image
+    return None
+
+
+def _remember_image(x: Tensor, image: Tensor) -> None:
+    base, key = _image_key(x)
+    _recent_images[:] = [entry for entry in _recent_images if entry[0]() is not None][-(_IMAGES_KEPT - 1):]
+    _recent_images.append((weakref.ref(base), key, image))
 
 
 __all__ = ["emulate", "cpu_has_native_bf16", "dequantized", "fp8_bf16_image"]
