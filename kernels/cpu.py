@@ -14,14 +14,20 @@ scales. These twins compute the same bits with less:
   no float32 copy;
 - everything else is the reference's own tensor operations.
 
+The passes of these twins (and the emulation's conversions to BF16) are memory-bound: where other processes share the
+CPUs, each parallel pass can wait a whole scheduler time slice for a descheduled worker thread, so they run on one
+thread or on all of torch's, whichever has been faster lately (`memory_bound_threads`). Results never depend on it.
+
 Every output and state write of these equals the reference's, bit for bit, for every recipe, history, edge value and
 NaN / inf. Set LIGHTNING_FP8_CPU_REFERENCE=1 to run the reference instead.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,6 +38,69 @@ from lightning_fp8.numerics.quantize import quantize
 from lightning_fp8.numerics.tiles import amax_of_tiles, tile_extent, tile_scales, times_tiles, transposed
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+class _ThreadChoice:
+    """One thread or all of torch's for a kind of memory-bound pass: the one whose recent passes took less time per
+    element (an exponential average per choice), the other tried again every `PROBE_EVERY` passes so a change of
+    load is seen. On a quiet machine all threads win (the passes run from cache at several bytes per cycle per
+    core); on a shared one a single thread does (a parallel pass waits for its slowest, descheduled, thread)."""
+
+    PROBE_EVERY = 16
+
+    def __init__(self) -> None:
+        self.cost: Dict[bool, Optional[float]] = {False: None, True: None}  # single thread? -> seconds per element
+        self.passes = 0
+
+    def single(self) -> bool:
+        self.passes += 1
+        many, one = self.cost[False], self.cost[True]
+        if many is None or one is None:
+            return many is not None  # try each once: all threads first
+        best = one < many
+        return (not best) if self.passes % self.PROBE_EVERY == 0 else best
+
+    def record(self, single: bool, seconds: float, numel: int) -> None:
+        cost, old = seconds / numel, self.cost[single]
+        self.cost[single] = cost if old is None else 0.75 * old + 0.25 * cost
+
+
+_thread_choices: Dict[str, _ThreadChoice] = {}
+#: passes over fewer elements run on one thread anyway (torch's grain size is 32768)
+_PARALLEL_FROM = 1 << 17
+
+
+@contextlib.contextmanager
+def memory_bound_threads(kind: str, numel: int) -> Iterator[None]:
+    """Run the block's memory-bound CPU passes (over about `numel` elements; `kind` groups passes of one cost) on one
+    thread or on all of torch's (`_ThreadChoice`); the GEMMs are left to torch. Results are the same either way:
+    every pass is elementwise or an exact reduction."""
+    threads = torch.get_num_threads()
+    if threads == 1 or numel < _PARALLEL_FROM:
+        yield
+        return
+    choice = _thread_choices.setdefault(kind, _ThreadChoice())
+    single = choice.single()
+    if single:
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if single:
+            torch.set_num_threads(threads)
+    choice.record(single, time.perf_counter() - start, numel)
+
+
+def _memory_bound(kind: str):
+    """Decorator: the function's passes over its first argument run under `memory_bound_threads(kind, ...)`."""
+    def wrap(function):
+        @functools.wraps(function)
+        def run(x, *args, **kwargs):
+            with memory_bound_threads(kind, x.numel()):
+                return function(x, *args, **kwargs)
+        return run
+    return wrap
 
 
 def _usable(amax: float) -> bool:
@@ -103,6 +172,7 @@ def _cast_saturates_like_the_clamp(dtype: torch.dtype) -> bool:
     return bool(torch.equal(direct, clamped))
 
 
+@_memory_bound("cast")
 def scaled_cast_cpu(
     x: torch.Tensor,
     history: torch.Tensor,
@@ -142,6 +212,7 @@ def scaled_cast_cpu(
     return q.contiguous(), scale_t, torch.tensor(float(np.float32(1.0) / np.float32(scale)), dtype=torch.float32)
 
 
+@_memory_bound("cast")
 def cast_cpu(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -190,6 +261,7 @@ def _cast_whole_tiles(x32: torch.Tensor, magnitude: torch.Tensor, extent: Tuple[
     return times_tiles(x32, scale, extent).to(fmt.dtype), scale, amax
 
 
+@_memory_bound("tiled cast")
 def tiled_cast_cpu(
     x: torch.Tensor,
     history: torch.Tensor,
@@ -234,4 +306,4 @@ def tiled_cast_cpu(
     return q, s, q_t, s_t
 
 
-__all__ = ["scaled_cast_cpu", "cast_cpu", "tiled_cast_cpu", "host_scale", "host_cast_scale"]
+__all__ = ["scaled_cast_cpu", "cast_cpu", "tiled_cast_cpu", "host_scale", "host_cast_scale", "memory_bound_threads"]

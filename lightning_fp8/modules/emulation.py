@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from lightning_fp8.kernels.cpu import memory_bound_threads
 from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.operand import FP4, GemmOperands
 from lightning_fp8.numerics import microscaling
@@ -222,8 +223,10 @@ def fp8_bf16_image(x: Tensor, scale: float = 1.0) -> Tensor:
             return image
     codes = x.contiguous().view(torch.uint8).reshape(-1)
     if codes.numel() % 2 == 0 and x.device.type == "cpu":
-        pairs = codes.view(torch.uint16).to(torch.int32)
-        image = _pair_table(x.dtype, scale).index_select(0, pairs).view(torch.bfloat16).reshape(x.shape)
+        table = _pair_table(x.dtype, scale)
+        with memory_bound_threads("image", codes.numel()):
+            pairs = codes.view(torch.uint16).to(torch.int32)
+            image = table.index_select(0, pairs).view(torch.bfloat16).reshape(x.shape)
     else:
         single = _BF16_OF_CODE[x.dtype].to(x.device)
         image = (single if scale == 1.0 else single * scale).index_select(0, codes.to(torch.int32)).reshape(x.shape)
