@@ -46,7 +46,7 @@ class _ThreadChoice:
     load is seen. On a quiet machine all threads win (the passes run from cache at several bytes per cycle per
     core); on a shared one a single thread does (a parallel pass waits for its slowest, descheduled, thread)."""
 
-    PROBE_EVERY = 16
+    PROBE_EVERY = 32
 
     def __init__(self) -> None:
         self.cost: Dict[bool, Optional[float]] = {False: None, True: None}  # single thread? -> seconds per element

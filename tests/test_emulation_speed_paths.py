@@ -114,3 +114,30 @@ def test_an_image_is_converted_once_for_two_readers_and_never_served_stale():
     assert fp8_bf16_image(other).data_ptr() != fresh.data_ptr()
     del q, other
     assert all(ref() is None for ref, _, _ in emulation._recent_images), "images go with their tensors"
+
+
+def test_memory_bound_passes_take_the_thread_count_that_ran_faster_and_restore_torchs():
+    """`_ThreadChoice` tries all threads and one thread, then keeps the one with the lower time per element and
+    re-tries the other every PROBE_EVERY passes; `memory_bound_threads` gives torch its thread count back, also when
+    the block raises, and leaves small passes and one-thread setups alone."""
+    from lightning_fp8.kernels.cpu import _ThreadChoice, memory_bound_threads
+
+    choice = _ThreadChoice()
+    assert choice.single() is False  # each tried once, all threads first
+    choice.record(False, 1.0, 1000)
+    assert choice.single() is True
+    choice.record(True, 0.1, 1000)  # one thread ran ten times faster (a shared CPU)
+    picks = [choice.single() for _ in range(2 * choice.PROBE_EVERY)]
+    assert picks.count(False) == 2 and picks.count(True) == 2 * choice.PROBE_EVERY - 2
+    for _ in range(16):  # the load went away: all threads are faster again
+        choice.record(False, 0.01, 1000)
+    assert [choice.single() for _ in range(3)] == [False] * 3
+
+    threads = torch.get_num_threads()
+    if threads > 1:
+        with pytest.raises(RuntimeError):
+            with memory_bound_threads("test", 1 << 20):
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == threads
+        with memory_bound_threads("small", 10):
+            assert torch.get_num_threads() == threads
