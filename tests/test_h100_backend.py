@@ -199,3 +199,11 @@ def test_the_core_never_imports_mmaemu_and_the_backend_says_how_to_install_it():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pip install 'lightning-fp8[h100]'" in result.stdout
+
+
+def test_a_grouped_gemm_is_refused():
+    """Mixture-of-experts GEMMs (a request with group offsets) are not modelled: refused before any planning."""
+    from types import SimpleNamespace
+
+    with pytest.raises(UnmodelledGemmError, match="grouped GEMM"):
+        modelled_call(SimpleNamespace(offsets=torch.tensor([16, 32])), "h100")

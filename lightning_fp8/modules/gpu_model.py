@@ -130,8 +130,11 @@ def modelled_call(operands: GemmOperands, backend: str) -> ScaledMMCall:
     """The scaled-GEMM call the GPU of `backend` would be issued for `operands` (the planner's, for its architecture
     with the running torch's rules), or UnmodelledGemmError naming what is modelled."""
     gpu = MODELLED_GPUS[backend]
-    plan = plan_scaled_mm(operands, target_for(gpu.capability))
     what = f"FP8Recipe(backend={backend!r}) computes {MODELLED} as an {gpu.name} returns them"
+    if getattr(operands, "offsets", None) is not None:
+        raise UnmodelledGemmError(f"lightning_fp8: {what}; this is a grouped GEMM (mixture of experts), which is not "
+                                  "modelled (use backend='auto' or 'emulated' for it)")
+    plan = plan_scaled_mm(operands, target_for(gpu.capability))
     if isinstance(plan, Refusal):
         raise UnmodelledGemmError(f"lightning_fp8: {what}; this GEMM {tuple(operands.shape)} has no scaled-GEMM call "
                                   f"on that GPU: {plan.reason}")
