@@ -141,3 +141,12 @@ def test_memory_bound_passes_take_the_thread_count_that_ran_faster_and_restore_t
         assert torch.get_num_threads() == threads
         with memory_bound_threads("small", 10):
             assert torch.get_num_threads() == threads
+
+
+def test_inference_tensors_are_converted_without_being_remembered():
+    """Tensors made under torch.inference_mode (Lightning's evaluation loops) track no version: never cached."""
+    with torch.inference_mode():
+        q = (torch.randn(16, 32) * 8).to(E4)
+        image = fp8_bf16_image(q)
+    assert torch.equal(image, q.float().to(torch.bfloat16))
+    assert all(ref() is not q for ref, _, _ in emulation._recent_images)

@@ -216,7 +216,9 @@ def fp8_bf16_image(x: Tensor, scale: float = 1.0) -> Tensor:
         raise TypeError(f"fp8_bf16_image expects a float8 tensor, got {x.dtype}")
     if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
         return fp8_bf16_image(x.t(), scale).t()
-    cache = scale == 1.0 and x.device.type == "cpu"
+    # (an inference tensor, made under torch.inference_mode as Lightning's evaluation loops run, has no version
+    # counter to key the cache by: not cached)
+    cache = scale == 1.0 and x.device.type == "cpu" and not x.is_inference()
     if cache:
         image = _recent_image(x)
         if image is not None:
