@@ -16,7 +16,10 @@ gradient, weight gradient) is checked against the GPU's numerics in exactly the 
 What is modelled (everything else raises `UnmodelledGemmError`, naming this): per-tensor scales (FP8Recipe scaling
 "delayed" or "current"), E4M3 / E5M2 operands, bf16 / fp16 / float32 outputs, no bias inside the scaled GEMM (a layer
 with a bias under BF16 / FP16 autocast passes its bias to cuBLASLt's epilogue, which mmaemu does not model; a float32
-output gets its bias added after the GEMM, which is modelled). Rowwise, blockwise, MXFP8 and NVFP4 GEMMs are refused.
+output gets its bias added after the GEMM, which is modelled). Rowwise, blockwise, MXFP8, NVFP4 and grouped
+(mixture-of-experts) GEMMs are refused. mmaemu's records are of torch 2.7.1's `torch._scaled_mm` on cuBLASLt
+12.8.3.14; a per-tensor call is planned alike for every torch the planner knows (its rules differ in rowwise and
+block-scaled calls only), so the call computed is the call the running torch would launch.
 
 Split-K: which split cuBLASLt picks for a call is a heuristic of the GPU, its library and its workspace, recorded by
 mmaemu for many shapes; where the profile cannot decide, the GEMM raises `SplitKUnknownError` with mmaemu's
