@@ -116,6 +116,7 @@ def in_kernel_rand() -> bool:
 from lightning_fp8.kernels.ops import fp8_amax, fp8_cast, materializes_transpose, scaled_cast  # noqa: E402
 from lightning_fp8.kernels.tiled_ops import tiled_cast  # noqa: E402
 from lightning_fp8.kernels.microscaled_ops import microscaled_cast  # noqa: E402
+from lightning_fp8.kernels.grouped_ops import grouped_cast  # noqa: E402
 
 __all__ = [
     "triton_available",
@@ -133,6 +134,7 @@ __all__ = [
     "scaled_cast",
     "tiled_cast",
     "microscaled_cast",
+    "grouped_cast",
     "materializes_transpose",
     "KERNEL_INPUT_DTYPES",
 ]

@@ -13,6 +13,7 @@ from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
 from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
+from lightning_fp8.numerics.groups import quantize_groups
 from lightning_fp8.numerics.tiles import quantize_tiles
 
 
@@ -153,6 +154,28 @@ def tiled_cast_reference(
         slot = history[role, 0]
         slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
     return q, s, q_t, s_t
+
+
+def grouped_cast_reference(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    role: int,
+    fmt: FP8Format,
+    offsets: torch.Tensor,
+    margin: int,
+    power_of_2: bool,
+    *,
+    noise: Optional[torch.Tensor] = None,
+    record: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The per-group cast of an experts layer (numerics.groups.quantize_groups): x^T_fp8 (C, M) contiguous and the
+    dequant scales (E, C); (record) x's amax max-accumulated into history[role, 0], NaN / inf kept raw."""
+    rounding = "stochastic" if noise is not None else "nearest"
+    q, s, amax = quantize_groups(x, offsets, fmt, margin, power_of_2, rounding=rounding, noise=noise)
+    if record:
+        slot = history[role, 0]
+        slot.copy_(torch.maximum(slot, amax))  # torch.maximum propagates NaN
+    return q.t().contiguous(), s.contiguous()
 
 
 def microscaled_cast_reference(

@@ -148,8 +148,55 @@ class MicroscaledCaster(Caster):
         return self.cast(weight, history, "weight", False, layouts=(False, True)).transposed.t()
 
 
-def caster_for(recipe: FP8Recipe) -> Caster:
-    """The caster of `recipe`'s scaling family."""
+class GroupedCaster(Caster):
+    """The casts of an experts layer's grouped GEMMs (numerics/groups.py), rowwise: x and dy in row tiles (a scale per
+    token), the 3-D weight (E, N, K) per expert output row (the forward) and, cast again, per expert input column (its
+    per-expert transpose, what the input-gradient GEMM reads), and x^T / dy^T with a scale per (expert, column) over
+    that expert's tokens (`lightning_fp8::grouped_cast`: the weight-gradient GEMM contracts each expert's tokens).
+    `offsets`: the int32 end rows of each expert's tokens (sorted by expert)."""
+
+    def __init__(self, recipe: FP8Recipe, offsets: Tensor) -> None:
+        super().__init__(recipe)
+        if recipe.scaling != "rowwise":
+            raise ValueError(f"grouped FP8 GEMMs cast rowwise; got FP8Recipe(scaling={recipe.scaling!r}) "
+                             "(lightning_fp8/modules/experts.py `grouped_recipe` derives an experts layer's recipe)")
+        self.offsets = offsets
+
+    def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):
+        recipe, index = self.recipe, ROLE_INDEX[role]
+        fmt, margin, power_of_2 = recipe.format_for(role), recipe.margin, recipe.power_of_2_scales
+        noise = self._noise(role, x.shape, x.device, generator)
+        matrix = transposed = None
+        if x.dim() == 3:  # the weight, one (N, K) matrix per expert
+            experts, n, k = x.shape
+            if layouts[0]:
+                (q, s), _ = kernels.tiled_cast(x.reshape(experts * n, k), history, index, fmt, (1, 0), (), margin,
+                                               power_of_2, record=record)
+                matrix = FP8Matrix(q.view(experts, n, k), s.view(experts, n, 1), (1, 0))
+            if layouts[1]:
+                per_expert_t = x.transpose(1, 2).contiguous().reshape(experts * k, n)
+                (q_t, s_t), _ = kernels.tiled_cast(per_expert_t, history, index, fmt, (1, 0), (), margin, power_of_2,
+                                                   record=record and not layouts[0])
+                transposed = FP8Matrix(q_t.view(experts, k, n), s_t.view(experts, k, 1), (1, 0))
+            return FP8Operand(matrix, transposed)
+        if layouts[0]:
+            (q, s), _ = kernels.tiled_cast(x, history, index, fmt, (1, 0), (), margin, power_of_2, record=record,
+                                           noise=noise)
+            matrix = FP8Matrix(q, s, (1, 0))
+        if layouts[1]:
+            q_t, s_t = kernels.grouped_cast(x, history, index, fmt, self.offsets, margin, power_of_2,
+                                            record=record and not layouts[0], noise=noise)
+            transposed = FP8Matrix(q_t, s_t.unsqueeze(-1), (1, 0))
+        return FP8Operand(matrix, transposed)
+
+    def weight_for_dgrad(self, weight, history, scale, scale_inv):
+        return self.cast(weight, history, "weight", False, layouts=(False, True)).transposed.t()
+
+
+def caster_for(recipe: FP8Recipe, offsets: Optional[Tensor] = None) -> Caster:
+    """The caster of `recipe`'s scaling family; with `offsets`, the grouped GEMMs' of an experts layer."""
+    if offsets is not None:
+        return GroupedCaster(recipe, offsets)
     if recipe.microscaled:
         return MicroscaledCaster(recipe)
     if recipe.fine_grained:
@@ -215,5 +262,5 @@ def cast_to_fp8(
     return out_t if layout == "t" else (out, out_t)
 
 
-__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "caster_for", "cast_scale", "cast_to_fp8",
+__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "GroupedCaster", "caster_for", "cast_scale", "cast_to_fp8",
            "scaling_mode"]

@@ -25,6 +25,7 @@ from lightning_fp8.kernels.cpu import memory_bound_threads
 from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.operand import FP4, GemmOperands
 from lightning_fp8.numerics import microscaling
+from lightning_fp8.numerics.groups import group_of_rows
 from lightning_fp8.numerics.tiles import exact_in_bf16, tiled_gemm_reference, times_tiles
 
 Tensor = torch.Tensor
@@ -261,4 +262,30 @@ def _remember_image(x: Tensor, image: Tensor) -> None:
     _recent_images.append((weakref.ref(base), key, image))
 
 
-__all__ = ["emulate", "cpu_has_native_bf16", "dequantized", "fp8_bf16_image"]
+# -- grouped GEMMs (mixture-of-experts layers) ----------------------------------------------------------------------
+def emulate_grouped(operands: GemmOperands) -> Tensor:
+    """A grouped GEMM (`GemmOperands.offsets`, rowwise scales: numerics/groups.py) without FP8 tensor cores: the exact
+    FP8 values multiplied per group by torch's grouped GEMM in float32, then each output scaled by its row's and
+    column's dequant scales and rounded once (`numerics.groups.grouped_gemm_reference` up to summation order). Rows
+    past the last offset come out zero."""
+    a, b, offsets = operands.a, operands.b, operands.offsets
+    a32, b32 = a.data.to(torch.float32), b.data.to(torch.float32)
+    if operands.grouped == "rows":  # a (M, K) with (M, 1) scales, b (E, K, N) with (E, 1, N)
+        rows = a32.shape[0]
+        groups = group_of_rows(offsets, rows)
+        in_group = (groups < offsets.shape[0]).unsqueeze(1)
+        out = torch._grouped_mm(a32, b32, offs=offsets) if rows else a32.new_zeros((0, b32.shape[2]))
+        col_scale = torch.cat([b.scale_inv.reshape(offsets.shape[0], -1), b.scale_inv.new_zeros(1, b32.shape[2])])
+        out = torch.where(in_group, out, torch.zeros_like(out)) * a.scale_inv.reshape(rows, 1) * col_scale[groups]
+        return out.to(operands.out_dtype)
+    # the contraction grouped: a (M, T) with (E, M, 1) scales, b (T, N) with (E, 1, N); out (E, M, N). torch's grouped
+    # GEMM wants 16-byte strides: the token dimension is zero-padded past the last group to a multiple of 4
+    tokens = a32.shape[1]
+    pad = -tokens % 4
+    a32 = torch.nn.functional.pad(a32, (0, pad)).contiguous()
+    b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad)).contiguous()
+    out = torch._grouped_mm(a32, b32, offs=offsets)
+    return (out * a.scale_inv * b.scale_inv).to(operands.out_dtype)
+
+
+__all__ = ["emulate", "emulate_grouped", "cpu_has_native_bf16", "dequantized", "fp8_bf16_image"]

@@ -52,13 +52,16 @@ class GemmConfig(NamedTuple):
 
 
 def linear_gemms(x2d: Tensor, weight: Tensor, bias: Optional[Tensor], x: FP8Operand, w: FP8Operand,
-                 history: Tensor, observer, cfg: GemmConfig) -> Tensor:
+                 history: Tensor, observer, cfg: GemmConfig, offsets: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b from the forward's casts `x` and `w`; gradients flow to x2d, weight and bias.
 
     x2d (M, in) and weight (out, in) carry the autograd graph (the high-precision tensors the casts came from); x must
     hold x^T (`FP8Operand.matrix_t`) where a quantized weight gradient will be computed; history is the layer's amax
-    history; observer (or None) is called with ("grad_output", dY) in backward."""
-    return FP8LinearGemms.apply(x2d, weight, bias, history, observer, cfg, *_flat(x), *_flat(w))
+    history; observer (or None) is called with ("grad_output", dY) in backward.
+
+    offsets: an experts layer's groups (x's rows sorted by expert, int32 end offsets): weight is then (E, out, in),
+    every GEMM is grouped (GemmOperands.offsets) and the casts are the grouped caster's; None for one linear layer."""
+    return FP8LinearGemms.apply(x2d, weight, bias, history, observer, cfg, offsets, *_flat(x), *_flat(w))
 
 
 def _flat(op: FP8Operand):
@@ -84,15 +87,16 @@ def _operand(recipe: FP8Recipe, role: str, data, scale_inv, tensor_scale, data_t
 
 
 class FP8LinearGemms(torch.autograd.Function):
-    """apply(x2d, weight, bias, history, observer, cfg, *x's 7 tensors, *w's 7 tensors): see `linear_gemms`."""
+    """apply(x2d, weight, bias, history, observer, cfg, offsets, *x's 7 tensors, *w's 7 tensors): see
+    `linear_gemms`."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, history, observer, cfg, *tensors):
+    def forward(ctx, x2d, weight, bias, history, observer, cfg, offsets, *tensors):
         recipe = cfg.recipe
         x, w = _operand(recipe, "input", *tensors[:7]), _operand(recipe, "weight", *tensors[7:])
         out = fp8_gemm(x.matrix, w.matrix.t(), cfg.out_dtype, bias, recipe.fast_accum_forward, recipe.backend,
-                       recipe.allow_emulation)
-        ctx.cfg, ctx.observer, ctx.history = cfg, observer, history
+                       recipe.allow_emulation, offsets=offsets)
+        ctx.cfg, ctx.observer, ctx.history, ctx.offsets = cfg, observer, history, offsets
         ctx.dtypes = (x2d.dtype, weight.dtype, bias.dtype if bias is not None else None)
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # the weight-gradient GEMM's x: x^T as cast, or x in high precision
@@ -120,7 +124,8 @@ class FP8LinearGemms(torch.autograd.Function):
         g = grad_out
         if ctx.observer is not None:
             ctx.observer("grad_output", g)
-        caster = caster_for(recipe)
+        offsets = ctx.offsets
+        caster = caster_for(recipe, offsets)
         quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
         dy = caster.cast(g, ctx.history, "grad_output", cfg.record, layouts=(needs_dgrad, quantized_wgrad),
                          pad_to=cfg.pad_to, history_sized=cfg.grad_history_sized)
@@ -133,18 +138,19 @@ class FP8LinearGemms(torch.autograd.Function):
                 w_b = FP8Matrix(data, scale_inv)
             else:
                 w_b = caster.weight_for_dgrad(weight, ctx.history, w_scale, w_scale_inv)
-            grad_x = fp8_gemm(dy.matrix, w_b, cfg.out_dtype, None, False, recipe.backend, recipe.allow_emulation)
+            grad_x = fp8_gemm(dy.matrix, w_b, cfg.out_dtype, None, False, recipe.backend, recipe.allow_emulation,
+                              offsets=offsets)
             grad_x = grad_x.to(x_dtype)
         if needs_wgrad:
             if recipe.high_precision_wgrad:
-                grad_w = high_precision_gemm(g.t(), keep_x, cfg.out_dtype)
+                grad_w = high_precision_gemm(g.t(), keep_x, cfg.out_dtype, offsets=offsets)
             else:
                 grad_w = fp8_gemm(dy.matrix_t(), x_t.t(), cfg.out_dtype, None, False, recipe.backend,
-                                  recipe.allow_emulation)
+                                  recipe.allow_emulation, offsets=offsets)
             grad_w = grad_w.to(weight_dtype)
         if needs_bgrad:
             grad_b = g.sum(0, dtype=torch.float32).to(bias_dtype)
-        return (grad_x, grad_w, grad_b) + (None,) * (3 + 14)
+        return (grad_x, grad_w, grad_b) + (None,) * (4 + 14)
 
 
 def _matrix_tensors(m: Optional[FP8Matrix]):

@@ -27,7 +27,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from lightning_fp8.kernels.device import autocast_off, profile_of
-from lightning_fp8.modules.emulation import cpu_has_native_bf16, emulate
+from lightning_fp8.modules.emulation import cpu_has_native_bf16, emulate, emulate_grouped
 from lightning_fp8.modules.gpu_model import MODELLED_GPUS, run_on_gpu_model
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
 from lightning_fp8.modules.scaled_mm import Refusal, ScaledMMCall, ScaledMMTarget, plan_scaled_mm
@@ -128,18 +128,21 @@ def fp8_gemm(
     use_fast_accum: bool = False,
     backend: str = "auto",
     allow_emulation: bool = False,
+    *,
+    offsets: Optional[Tensor] = None,
 ) -> Tensor:
     """out = A @ B + bias for A (M, K) and B (K, N) with their scales (FP8Matrix), rounded once to out_dtype.
 
     backend: FP8Recipe.backend ("auto", "scaled_mm", "emulated", "h100", "rtx4060"); allow_emulation:
-    FP8Recipe.allow_emulation (module docstring). The op has no autograd formula: the layers' autograd function
-    computes every gradient itself."""
+    FP8Recipe.allow_emulation (module docstring). offsets: a grouped GEMM's groups (GemmOperands.offsets: B (E, K, N)
+    over A's grouped rows, or a grouped contraction giving (E, M, N)). The op has no autograd formula: the layers'
+    autograd function computes every gradient itself."""
     if _recorders:
         for records in _recorders:
-            records.append(GemmOperands(a, b, out_dtype, bias, use_fast_accum))
+            records.append(GemmOperands(a, b, out_dtype, bias, use_fast_accum, offsets))
     return torch.ops.lightning_fp8.fp8_gemm(
         a.data, a.scale_inv, _tile_arg(a.tile), a.tensor_scale, b.data, b.scale_inv, _tile_arg(b.tile),
-        b.tensor_scale, out_dtype, bias, use_fast_accum, backend, allow_emulation,
+        b.tensor_scale, out_dtype, bias, use_fast_accum, backend, allow_emulation, offsets,
     )
 
 
@@ -166,17 +169,24 @@ def _fp8_gemm_op(
     use_fast_accum: bool,
     backend: str,
     allow_emulation: bool,
+    offsets: Optional[Tensor] = None,
 ) -> Tensor:
     operands = GemmOperands(FP8Matrix(a, a_scale_inv, _tile(a_tile), a_tensor_scale),
-                            FP8Matrix(b, b_scale_inv, _tile(b_tile), b_tensor_scale), out_dtype, bias, use_fast_accum)
+                            FP8Matrix(b, b_scale_inv, _tile(b_tile), b_tensor_scale), out_dtype, bias, use_fast_accum,
+                            offsets)
     return run_gemm(operands, backend, allow_emulation)
 
 
 @_fp8_gemm_op.register_fake
 def _fp8_gemm_fake(a, a_scale_inv, a_tile, a_tensor_scale, b, b_scale_inv, b_tile, b_tensor_scale, out_dtype, bias,
-                   use_fast_accum, backend, allow_emulation):
-    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm expects 2-D operands")
-    torch._check(a.shape[1] == b.shape[0], lambda: f"fp8_gemm: inner dimensions differ: {a.shape} @ {b.shape}")
+                   use_fast_accum, backend, allow_emulation, offsets=None):
+    torch._check(a.dim() == 2 and b.dim() in (2, 3), lambda: "fp8_gemm expects a 2-D A and a 2-D or 3-D B")
+    torch._check(a.shape[1] == b.shape[-2], lambda: f"fp8_gemm: inner dimensions differ: {a.shape} @ {b.shape}")
+    if b.dim() == 3:
+        torch._check(offsets is not None, lambda: "fp8_gemm: a 3-D B needs offsets (one group per matrix)")
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+    if offsets is not None:  # a grouped contraction: one output matrix per group
+        return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -200,7 +210,7 @@ def run_gemm(operands: GemmOperands, backend: str = "auto", allow_emulation: boo
             out = _launch(plan, allow_emulation)
             if out is not None:
                 return out
-        return emulate(operands)
+        return emulate_grouped(operands) if operands.offsets is not None else emulate(operands)
 
 
 #: signatures of planned calls torch refused at run time and that are emulated by opt-in, with the reason
@@ -244,13 +254,19 @@ def _is_device_failure(error: BaseException) -> bool:
 
 
 # -- the weight gradient in the compute dtype -------------------------------------------------------------------------
-def high_precision_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+def high_precision_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, offsets: Optional[Tensor] = None) -> Tensor:
     """a @ b in the compute dtype: the weight-gradient GEMM of FP8Recipe(weight_grad="high_precision"). The operands
     in `out_dtype` (BF16 under autocast), products accumulated in float32, one rounding: a BF16 GEMM where the device
     multiplies BF16 natively, else the same operands multiplied in float32 and rounded once (equal up to summation
-    order; a CPU without BF16 hardware runs BF16 GEMMs in a slow software fallback)."""
+    order; a CPU without BF16 hardware runs BF16 GEMMs in a slow software fallback). offsets: a grouped contraction
+    (an experts layer's weight gradient: one (M, N) product per group of a's columns and b's rows)."""
     a, b = a.to(out_dtype), b.to(out_dtype)
-    if out_dtype != torch.float32 and a.device.type == "cpu" and not cpu_has_native_bf16():
+    software_bf16 = out_dtype != torch.float32 and a.device.type == "cpu" and not cpu_has_native_bf16()
+    if offsets is not None:
+        if software_bf16 or out_dtype not in (torch.bfloat16, torch.float32):  # torch's grouped GEMM: bf16, float32
+            return torch._grouped_mm(a.to(torch.float32), b.to(torch.float32), offs=offsets).to(out_dtype)
+        return torch._grouped_mm(a, b, offs=offsets)
+    if software_bf16:
         return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(out_dtype)
     return torch.mm(a, b)
 

@@ -147,8 +147,9 @@ class FP8Layer(nn.Module):
         refuse_gathered_input(x, self, "is not tensor-parallel")
         return self._forward_on(x, weight, self.bias)
 
-    def _forward_on(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """The forward with these operands (the layer's own, or its local shards under tensor parallelism)."""
+    def _forward_on(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *extra) -> torch.Tensor:
+        """The forward with these operands (the layer's own, or its local shards under tensor parallelism); `extra`
+        goes on to `high_precision_forward` and `fp8_forward` (an experts layer's group offsets)."""
         autocast_state = current_state()
         recipe = autocast_state.recipe or self.recipe
         # an operand cast before this forward (a weight FSDP2 all-gathered in FP8, an input sequence parallelism
@@ -158,9 +159,9 @@ class FP8Layer(nn.Module):
         x = resolve_precast(x, recipe, self.training, fp8)
         if autocast_state.calibrating:
             self._record_calibration(x, weight)
-            return self.high_precision_forward(x, weight, bias)
+            return self.high_precision_forward(x, weight, bias, *extra)
         if not (self._fp8_enabled and autocast_state.enabled):
-            return self.high_precision_forward(x, weight, bias)
+            return self.high_precision_forward(x, weight, bias, *extra)
         # training mode records amaxes and uses the recipe's scaling; eval mode casts with current scaling and leaves
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
@@ -169,7 +170,7 @@ class FP8Layer(nn.Module):
             report_restarted_scaling()  # weights loaded without this layer's FP8 state: say so, once
         self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
-        return self.fp8_forward(x, weight, bias, recipe, training, observer)
+        return self.fp8_forward(x, weight, bias, recipe, training, observer, *extra)
 
     def high_precision_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The layer's own computation without FP8 (BF16 under autocast): what fallback, calibration and

@@ -5,6 +5,11 @@ once.
 
 Orientation: a GEMM computes out (M, N) = A (M, K) @ B (K, N). A matrix's `tile` is (rows, cols) of the block one
 scale covers, 0 meaning the whole dimension; None for one scale per tensor.
+
+A grouped GEMM (a mixture-of-experts layer: `GemmOperands.offsets`, numerics/groups.py) is the same request over
+groups of rows: either A's rows are grouped and B is 3-D, one (K, N) matrix per group, or the contraction is grouped
+(A's columns and B's rows) and the output is 3-D, one (M, N) matrix per group. A 3-D matrix's scales have a leading
+group dimension, and a grouped contraction's tiles cover one group's extent of it (a `0` there is "the group's").
 """
 from __future__ import annotations
 
@@ -35,10 +40,11 @@ class FP8Matrix(NamedTuple):
     tensor_scale: Optional[Tensor] = None
 
     def t(self) -> "FP8Matrix":
-        """The transposed matrix as a view (data, scales and tile transposed; no copy)."""
-        scale_inv = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
+        """The transposed matrix as a view (data, scales and tile transposed; no copy); a 3-D (grouped) matrix
+        transposes each group's."""
+        scale_inv = self.scale_inv.transpose(-2, -1) if self.scale_inv.dim() >= 2 else self.scale_inv
         tile = None if self.tile is None else (int(self.tile[1]), int(self.tile[0]))
-        return FP8Matrix(self.data.t(), scale_inv, tile, self.tensor_scale)
+        return FP8Matrix(self.data.transpose(-2, -1), scale_inv, tile, self.tensor_scale)
 
 
 class FP8Operand(NamedTuple):
@@ -66,19 +72,29 @@ class GemmOperands(NamedTuple):
 
     a: A (M, K) and b: B (K, N), any layout, with their scales (see FP8Matrix).
     bias: (N,), added before the one rounding; None for no bias.
-    use_fast_accum: the scaled GEMM may use its fast accumulation (forward GEMMs only)."""
+    use_fast_accum: the scaled GEMM may use its fast accumulation (forward GEMMs only).
+    offsets: a grouped GEMM's groups (int32 end offsets, one per group: module docstring); None for one GEMM. With a
+        3-D b the groups are A's rows (out (M, N)); with a 2-D b, the contraction (out (groups, M, N))."""
 
     a: FP8Matrix
     b: FP8Matrix
     out_dtype: torch.dtype
     bias: Optional[Tensor] = None
     use_fast_accum: bool = False
+    offsets: Optional[Tensor] = None
+
+    @property
+    def grouped(self) -> Optional[str]:
+        """"rows" (A's rows grouped, b 3-D), "contraction" (the contraction grouped) or None (one GEMM)."""
+        if self.offsets is None:
+            return None
+        return "rows" if self.b.data.dim() == 3 else "contraction"
 
     @property
     def shape(self) -> Tuple[int, int, int]:
-        """(M, K, N), K in elements (packed FP4 holds two per byte along K)."""
+        """(M, K, N), K in elements (packed FP4 holds two per byte along K); a grouped GEMM's over all groups."""
         packing = 2 if FP4 is not None and self.a.data.dtype == FP4 else 1
-        return self.a.data.shape[0], self.a.data.shape[1] * packing, self.b.data.shape[1]
+        return self.a.data.shape[0], self.a.data.shape[1] * packing, self.b.data.shape[-1]
 
 
 __all__ = ["FP8Matrix", "FP8Operand", "GemmOperands", "Tile", "FP4"]

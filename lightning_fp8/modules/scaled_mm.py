@@ -52,6 +52,17 @@ torch and the contract suite replays the rules of the torch that runs it:
                handed over as the 1 x 16 scales of their rows (the same scale repeated). K is zero-padded to 32
                elements, N to 16.
   A bias of an mxfp8 / nvfp4 GEMM is added after it in float32, before the one rounding (as for blockwise).
+  grouped      a mixture-of-experts layer's GEMMs (`GemmOperands.offsets`, numerics/groups.py), rowwise:
+               `torch._scaled_grouped_mm` (torch's CUTLASS grouped kernel, built for sm90; sm100 from the release
+               that carries pytorch#188063, taken here as torch 2.14; sm89 and sm120 have none: `TorchRules.grouped`),
+               both operands e4m3, bf16 output only, no bias (experts add theirs after), offsets int32 end rows.
+               Rows grouped (forward, dgrad): mat_a (M, K) row-major with scale_a (M,), mat_b (E, K, N) column-major
+               with scale_b (E, N); rows past the last offset come back unwritten and are zeroed here. The
+               contraction grouped (wgrad): mat_a (M, T) row-major with scale_a (E * M,), mat_b (T, N) column-major
+               with scale_b (E * N,), group-major; each group's tokens start 16-aligned, so the token dimension is
+               re-laid with every group zero-padded to a multiple of 16 (a gather on the device, the offsets
+               recomputed there: no host read), and the output of an empty group is zeroed. K and N (and M of the
+               contraction) multiples of 16, as the kernel checks.
 """
 from __future__ import annotations
 
@@ -66,6 +77,7 @@ import torch.nn.functional as F
 from lightning_fp8.kernels.device import DeviceProfile
 from lightning_fp8.kernels.microscaled_ops import gemm_operand_storage, swizzled_block_scales
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.numerics.groups import group_counts, group_of_rows
 from lightning_fp8.numerics.tiles import tile_extent
 
 Tensor = torch.Tensor
@@ -84,6 +96,13 @@ FP4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch >= 2.8
 
 V1 = "torch._scaled_mm"
 V2 = "torch.nn.functional.scaled_mm"
+GROUPED_V1 = "torch._scaled_grouped_mm"
+#: the kinds of grouped call: A's rows grouped over a 3-D B (forward, dgrad), or the contraction grouped (wgrad)
+GROUPED_ROWS = "grouped rowwise (rows)"
+GROUPED_CONTRACTION = "grouped rowwise (contraction)"
+GROUPED = (GROUPED_ROWS, GROUPED_CONTRACTION)
+#: the multiple each group's tokens start at in a grouped contraction (16-byte aligned FP8)
+GROUP_ALIGNMENT = 16
 
 #: out_dtypes a scaled GEMM writes directly
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -134,6 +153,8 @@ class TorchRules:
     cutlass_rowwise_fp16_without_bias: bool
     #: where the rules were read
     source: str
+    #: the compute-capability majors torch's grouped scaled GEMM (`torch._scaled_grouped_mm`, rowwise) runs on
+    grouped: Tuple[int, ...] = ()
 
     def arch(self, major: int) -> Optional[ArchRules]:
         return dict(self.archs).get(major)
@@ -144,14 +165,14 @@ class TorchRules:
 TORCH_RULES: Tuple[TorchRules, ...] = (
     TorchRules(
         since=(2, 0), archs=_ARCHS_BEFORE_2_10, cutlass_rowwise_out_dtypes=(torch.bfloat16,),
-        cutlass_rowwise_fp16_without_bias=False,
+        cutlass_rowwise_fp16_without_bias=False, grouped=(9,),
         source="before 2.10 torch's CUTLASS rowwise kernel writes bf16 only (its fp16 output came with "
                "pytorch#166744), and sm90's rowwise GEMM is taken to be that kernel; the v2 API (blockwise, MX, NVFP4) "
                "is absent, which `ScaledMMTarget.has_v2` reads off the running torch. Conservative: not checked "
                "against each older release's sources"),
     TorchRules(
         since=(2, 10), archs=_ARCHS, cutlass_rowwise_out_dtypes=(torch.bfloat16, torch.float16),
-        cutlass_rowwise_fp16_without_bias=False,
+        cutlass_rowwise_fp16_without_bias=False, grouped=(9,),
         source="torch 2.13's table (aten/src/ATen/native/cuda/ScaledBlas.cpp `_scaled_rowwise_rowwise`, "
                "RowwiseScaledMM.cu `check_inputs` / `dispatch_fp8_rowwise_kernel_on_bias_dtype`: bf16 and fp16 "
                "outputs, the kernel without a bias bound to bf16 output; 2.13.0+cu130's libtorch_cuda.so holds 'Only "
@@ -159,8 +180,10 @@ TORCH_RULES: Tuple[TorchRules, ...] = (
                "pytorch#166744)"),
     TorchRules(
         since=(2, 14), archs=_ARCHS, cutlass_rowwise_out_dtypes=(torch.bfloat16, torch.float16, torch.float32),
-        cutlass_rowwise_fp16_without_bias=True,
-        source="pytorch#187569 (opened after the 2.13 branch cut): the CUTLASS rowwise kernel without a bias writes "
+        cutlass_rowwise_fp16_without_bias=True, grouped=(9, 10),
+        source="grouped: sm100 taken from 2.14 on, the first release after pytorch#188063 (June 2026: 'Enable "
+               "Blackwell FP8 grouped GEMM'; before it the CUTLASS grouped kernel was built for sm90 only, pytorch#161780 "
+               "reported sm100 unsupported); not checked in a binary. pytorch#187569 (opened after the 2.13 branch cut): the CUTLASS rowwise kernel without a bias writes "
                "the output's dtype, float32 included (RowwiseScaledMM.cu `check_inputs`: bf16, fp16 or fp32; "
                "ScaledBlas.cpp `_scaled_rowwise_rowwise`); a bias with a float32 output stays refused. Checked in "
                "the binaries: 2.14.1+cu130's and 2.15.0+cu132's libtorch_cuda.so hold 'Only bf16, fp16, and fp32 high "
@@ -211,6 +234,7 @@ class ScaledMMTarget:
     torch_version: Tuple[int, int]
     cuda_version: Tuple[int, int]  # the CUDA (and cuBLASLt) torch was built with
     has_v2: bool  # torch.nn.functional.scaled_mm with ScalingType (torch >= 2.10)
+    has_grouped: bool = True  # torch._scaled_grouped_mm (read off the running torch)
 
     @staticmethod
     def of(profile: DeviceProfile) -> "ScaledMMTarget":
@@ -269,6 +293,7 @@ def _target_of(profile: DeviceProfile) -> ScaledMMTarget:
         torch_version=_version(torch.__version__) or (0, 0),
         cuda_version=_version(torch.version.cuda) or (13, 0),
         has_v2=hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"),
+        has_grouped=hasattr(torch, "_scaled_grouped_mm"),
     )
 
 
@@ -459,6 +484,8 @@ def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scal
     rules = target.rules
     if rules is None:
         return Refusal(f"{target.name} has no FP8 tensor cores (compute capability 8.9 or newer)")
+    if operands.offsets is not None:
+        return _plan_grouped(operands, target)
     if a.dtype == E5M2 and b.dtype == E5M2:
         return Refusal("torch's scaled GEMM does not multiply two e5m2 operands (format='e5m2' recipes)")
     kind = scaling_kind(operands)
@@ -577,6 +604,123 @@ def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget)
         call.tensor_scale_a = operands.a.tensor_scale.to(torch.float32).reshape(())
         call.tensor_scale_b = operands.b.tensor_scale.to(torch.float32).reshape(())
     return call
+
+
+@dataclass
+class ScaledGroupedMMCall(ScaledMMCall):
+    """One call of torch's grouped scaled GEMM (module docstring, "grouped"): the dense call's fields (scale_a and
+    scale_b rowwise, bias None, out_dtype bf16) with the offsets, and what is done to the output: the rows past the
+    last offset zeroed (rows grouped), the empty groups' outputs zeroed (contraction grouped)."""
+
+    offs: Optional[Tensor] = None
+    #: rows grouped: the original offsets (rows past offsets[-1] are zeroed); contraction: the groups' token counts
+    #: (an empty group's output is zeroed)
+    groups: Optional[Tensor] = None
+
+    def launch(self) -> Tensor:
+        out = torch._scaled_grouped_mm(self.mat_a, self.mat_b, self.scale_a, self.scale_b, offs=self.offs,
+                                       out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum)
+        return self._finished(out)
+
+    def _finished(self, out: Tensor) -> Tensor:
+        if self.kind == GROUPED_ROWS:
+            in_group = group_of_rows(self.groups, out.shape[0]) < self.groups.shape[0]
+            out = torch.where(in_group.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        else:
+            out = torch.where((self.groups > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out.to(self.finish.out_dtype)
+
+    def _tensors(self) -> Dict[str, Optional[Tensor]]:
+        return {"mat_a": self.mat_a, "mat_b": self.mat_b, "scale_a": self.scale_a, "scale_b": self.scale_b,
+                "offs": self.offs}
+
+    def on_meta(self) -> "ScaledGroupedMMCall":
+        def meta(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+        return replace(self, mat_a=meta(self.mat_a), mat_b=meta(self.mat_b), scale_a=meta(self.scale_a),
+                       scale_b=meta(self.scale_b), offs=meta(self.offs), groups=meta(self.groups))
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """torch's grouped scaled GEMM has no CPU kernel (torch 2.13)."""
+        return False
+
+
+def _plan_grouped(operands: GemmOperands, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+    """The grouped call (module docstring, "grouped"), or why the target has none."""
+    a, b = operands.a, operands.b
+    m, k, n = operands.shape
+    grouped = operands.grouped
+    if not target.has_grouped:
+        return Refusal(f"{target.torch_name} has no torch._scaled_grouped_mm: grouped FP8 GEMMs (experts) need a "
+                       "newer torch")
+    if target.capability[0] not in target.torch_rules.grouped:
+        return Refusal(f"torch's grouped scaled GEMM does not run on {target.name} in {target.torch_name} (its "
+                       "CUTLASS grouped kernel is built for sm90, and for sm100 from torch 2.14)")
+    if a.data.dtype != E4M3 or b.data.dtype != E4M3:
+        return Refusal("torch's grouped scaled GEMM takes e4m3 operands only (the experts' recipe casts every role "
+                       "to e4m3: lightning_fp8/modules/experts.py)")
+    if operands.out_dtype != torch.bfloat16:
+        return Refusal(f"torch's grouped scaled GEMM writes bf16 only; this GEMM's output is "
+                       f"{_dtype_names([operands.out_dtype])} (train under BF16 autocast)")
+    if operands.bias is not None:
+        return Refusal("torch's grouped scaled GEMM takes no bias (experts add theirs after the GEMM)")
+    if a.tile != (1, 0) or (b.tile not in ((0, 1),)):
+        return Refusal(f"torch's grouped scaled GEMM takes rowwise scales only, not the tiling {a.tile} x {b.tile}")
+    offsets = operands.offsets.to(torch.int32).contiguous()
+    fast_accum = operands.use_fast_accum
+    if grouped == "rows":
+        if k % 16 or n % 16:
+            return Refusal(f"torch's grouped scaled GEMM needs K and N in multiples of 16 ({m} x {k} x {n})")
+        experts = b.data.shape[0]
+        mat_a = _packed(a.data)
+        mat_b = b.data if _column_major(b.data) else b.data.transpose(-2, -1).contiguous().transpose(-2, -1)
+        scale_a = a.scale_inv.to(torch.float32).reshape(-1).contiguous()
+        scale_b = b.scale_inv.to(torch.float32).reshape(experts, n).contiguous()
+        return ScaledGroupedMMCall(GROUPED_V1, GROUPED_ROWS, mat_a, mat_b, scale_a, scale_b, None, torch.bfloat16,
+                                   fast_accum, _Finish(n, None, operands.out_dtype), target, offs=offsets,
+                                   groups=offsets)
+    # the contraction grouped: a (M, T), b (T, N); every group's tokens re-laid 16-aligned
+    if m % 16 or n % 16:
+        return Refusal(f"torch's grouped scaled GEMM needs the output's dimensions in multiples of 16 ({m} x {n})")
+    experts = offsets.shape[0]
+    counts = group_counts(offsets)
+    index, padded_offsets = _aligned_token_layout(offsets, counts, k, GROUP_ALIGNMENT)
+    mat_a = _gather_columns(a.data, index)  # (M, T') row-major
+    mat_b = _gather_columns(b.data.t(), index).t()  # (T', N) column-major
+    scale_a = a.scale_inv.to(torch.float32).reshape(experts * m).contiguous()
+    scale_b = b.scale_inv.to(torch.float32).reshape(experts * n).contiguous()
+    return ScaledGroupedMMCall(GROUPED_V1, GROUPED_CONTRACTION, mat_a, mat_b, scale_a, scale_b, None, torch.bfloat16,
+                               False, _Finish(n, None, operands.out_dtype), target, offs=padded_offsets,
+                               groups=counts)
+
+
+def _column_major(t: Tensor) -> bool:
+    return t.stride(-2) == 1 and t.stride(-1) == t.shape[-2] and _aligned(t)
+
+
+def _aligned_token_layout(offsets: Tensor, counts: Tensor, tokens: int, multiple: int) -> Tuple[Tensor, Tensor]:
+    """Where each column of a token dimension re-laid with every group starting at a multiple of `multiple` reads
+    from: (index (T',) int64, -1 for a padding column; the new int32 end offsets). T' is the bound tokens + groups *
+    (multiple - 1), rounded up to `multiple`, known on the host without reading the offsets."""
+    groups = offsets.shape[0]
+    length = _round_up(tokens + groups * (multiple - 1), multiple)
+    padded = (counts + multiple - 1) // multiple * multiple
+    ends = torch.cumsum(padded, 0)
+    new_starts, old_starts = ends - padded, offsets.to(torch.int64) - counts
+    position = torch.arange(length, device=offsets.device)
+    group = torch.searchsorted(ends, position, right=True).clamp(max=groups - 1)
+    within = position - new_starts[group]
+    valid = (within < counts[group]) & (position < ends[-1])
+    index = torch.where(valid, old_starts[group] + within, torch.full_like(position, -1))
+    return index, ends.to(torch.int32)
+
+
+def _gather_columns(t: Tensor, index: Tensor) -> Tensor:
+    """A row-major copy of 2-D FP8 `t` with column j taken from t[:, index[j]] (zero where index is -1)."""
+    raw = F.pad(t.contiguous().view(torch.uint8), (0, 1))  # a zero column at the end for the padding
+    return raw[:, torch.where(index < 0, torch.full_like(index, t.shape[1]), index)].contiguous().view(t.dtype)
 
 
 def _microscaled_operand(t: Tensor, rows: int, cols: int, kind: str) -> Tensor:
@@ -701,6 +845,8 @@ def check_call(call: ScaledMMCall) -> List[str]:
     the violations, empty when the call is valid on its target."""
     problems: List[str] = []
     target, rules = call.target, call.target.rules
+    if call.kind in GROUPED:
+        return _check_grouped(call)
     if rules is None or call.kind not in rules.kinds:
         problems.append(f"{call.kind} scaling does not run on {target.name}")
         return problems
@@ -739,6 +885,28 @@ def check_call(call: ScaledMMCall) -> List[str]:
                                                  or (call.scale_b.stride()[0] != 1 and n // 128 > 1)):
             problems.append(f"128x128 scales of shape {tuple(call.scale_b.shape)}, strides {call.scale_b.stride()}: "
                             "cuBLASLt reads (L4, N/128) with strides (1, L4)")
+    return problems
+
+
+def _check_grouped(call: ScaledMMCall) -> List[str]:
+    """What torch's CUDA grouped kernel checks beyond its meta checks (GroupedBlas.cpp: dimensions in multiples of
+    16, the architecture), and the group alignment a contraction needs."""
+    problems: List[str] = []
+    target, a, b = call.target, call.mat_a, call.mat_b
+    if target.capability[0] not in target.torch_rules.grouped:
+        problems.append(f"a grouped scaled GEMM on {target.name} in {target.torch_name}")
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        problems.append(f"a grouped scaled GEMM with {a.dtype} x {b.dtype} operands (needs e4m3)")
+    if a.shape[-1] % 16 or b.shape[-2] % 16 or b.shape[-1] % 16:
+        problems.append(f"a grouped scaled GEMM on {tuple(a.shape)} x {tuple(b.shape)} (dimensions must be multiples "
+                        "of 16)")
+    if call.offs is None or call.offs.dtype != torch.int32:
+        problems.append("a grouped scaled GEMM without int32 offsets")
+    if call.kind == GROUPED_CONTRACTION and a.shape[1] % GROUP_ALIGNMENT:
+        problems.append(f"a grouped contraction over {a.shape[1]} tokens (the re-laid groups are multiples of "
+                        f"{GROUP_ALIGNMENT})")
+    if call.out_dtype != torch.bfloat16:
+        problems.append(f"a grouped scaled GEMM writing {call.out_dtype} (bf16 only)")
     return problems
 
 
@@ -783,5 +951,6 @@ __all__ = [
     "ARCH_RULES", "ArchRules", "TORCH_RULES", "TorchRules", "rules_for_torch", "GemmOperands", "scaling_kind", "Refusal",
     "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
     "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
-    "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4",
+    "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4", "ScaledGroupedMMCall", "GROUPED_V1", "GROUPED_ROWS",
+    "GROUPED_CONTRACTION", "GROUPED", "GROUP_ALIGNMENT",
 ]
