@@ -187,21 +187,26 @@ def test_conv1d_without_transformers_and_lookalikes_are_named(monkeypatch):
 
 def test_only_the_conv1d_module_imports_transformers_and_it_is_guarded():
     """transformers is optional (torchmetrics imports it when it is installed, so a subprocess cannot show its
-    absence): no module of the package imports it except modules/hf_conv1d.py, inside a try (the absent case is
-    test_conv1d_without_transformers_and_lookalikes_are_named)."""
+    absence): no module of the package imports it at import time except modules/hf_conv1d.py, inside a try (the
+    absent case is test_conv1d_without_transformers_and_lookalikes_are_named); the others import it inside the
+    function that needs it, which runs only for a transformers model or Trainer (modules/experts.py registering its
+    implementation, the Accelerate adapter's look at a Trainer's arguments)."""
     import ast
     import pathlib
 
     import lightning_fp8
 
-    importers = []
+    at_import = []
     for path in pathlib.Path(lightning_fp8.__file__).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        in_functions = {id(node) for function in ast.walk(tree)
+                        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(function)}
+        for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            if any(name.split(".")[0] in ("transformers", "peft") for name in names):
-                importers.append(path.name)
-    assert importers == ["hf_conv1d.py"]
+            if any(name.split(".")[0] in ("transformers", "peft") for name in names) and id(node) not in in_functions:
+                at_import.append(path.name)
+    assert at_import == ["hf_conv1d.py"]
     source = (pathlib.Path(lightning_fp8.__file__).parent / "modules" / "hf_conv1d.py").read_text()
     assert "try:  # transformers is optional\n    from transformers.pytorch_utils import Conv1D" in source
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from lightning_fp8.conversion import attention, kinds, transplant
+from lightning_fp8.conversion import attention, experts, kinds, transplant
 from lightning_fp8.conversion.block_scope import last_block_reasons
 from lightning_fp8.conversion.filters import (
     FIRST_LAST_SWITCH,
@@ -32,6 +32,7 @@ from lightning_fp8.conversion.filters import (
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
 from lightning_fp8.conversion.order import AUTO, ExampleCall, LayerOrder, layer_order
 from lightning_fp8.modules.attention import ProjectedMultiheadAttention
+from lightning_fp8.modules.experts import revert_experts
 from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
 from lightning_fp8.modules.tensor_parallel import layout_of
 from lightning_fp8.recipe import FP8Recipe
@@ -109,6 +110,7 @@ def convert_to_fp8(
     recipe = _check_recipe(recipe)
     per_layer = normalize_layer_recipes(layer_recipes)
     decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input, layer_recipes=per_layer)
+    experts_plan = experts.plan_experts(model, recipe, module_filter, per_layer)
     parents = _parent_index(model)
     if per_layer:
         warn_unmatched(per_layer, [fqn for fqn, reason in decisions.items() if reason is None])
@@ -134,6 +136,7 @@ def convert_to_fp8(
             model = new
         else:
             _replace_everywhere(parents, module, new)
+    experts.apply_experts_plan(model, experts_plan)  # mixture-of-experts layers: FP8 grouped GEMMs
     attention.guard_fast_paths(model)
     model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
     if verbose:
@@ -162,12 +165,16 @@ def plan_conversion(
     layer_recipes = normalize_layer_recipes(layer_recipes)
     decisions: Dict[str, Optional[str]] = {}
     candidates: List[str] = []
+    routers = experts.router_names(model)
     for fqn, module in model.named_modules():
         if isinstance(module, FP8Layer):
-            if module.fp8_enabled:
+            if module.fp8_enabled and kinds.family(module) != experts.EXPERTS_FAMILY:
                 candidates.append(fqn)  # counts for first / last; left as it is
             continue
         if kinds.linear_kind(module) is None:
+            continue
+        if fqn in routers:  # a router's logits stay in high precision whatever the filter says
+            decisions[fqn] = experts.ROUTER_REASON
             continue
         if module_filter is not None:
             if preview and callable(getattr(module_filter, "skip_reason", None)):
@@ -233,6 +240,9 @@ def revert_fp8(model: nn.Module) -> nn.Module:
         model = transplant.to_unconverted(model)
         model.__dict__.pop(CONVERTED_ATTR, None)
         return model
+    for _, module, _ in list(experts.experts_modules(model)):
+        revert_experts(module)
+        module.__dict__.pop(SKIP_REASON_ATTR, None)
     parents = _parent_index(model)
     for fqn, module in list(model.named_modules()):
         if isinstance(module, FP8Layer):
@@ -267,26 +277,45 @@ def precision_map(
             "already; call precision_map(model) for its state, or revert_fp8(model) first to preview other settings"
         )
     if converted:
-        return _precision_rows(model, converted, {})
+        return _precision_rows(model, converted, {}, {})
     # a preview: what conversion would do, attention projections included (given back afterwards)
     plan, exposed = _plan_with_attention(model, recipe, module_filter, example_input, preview=True)
+    experts_plan = experts.plan_experts(model, _check_recipe(recipe), module_filter, preview=True)
     try:
-        return _precision_rows(model, converted, plan)
+        return _precision_rows(model, converted, plan, experts_plan)
     finally:
         for _, module in exposed:
             if isinstance(module, ProjectedMultiheadAttention):
                 attention.hide_projections(module)
 
 
-def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[str]]) -> List[LayerPrecision]:
+def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[str]],
+                    experts_plan: Dict) -> List[LayerPrecision]:
     rows = []
+    routers = experts.router_names(model)
     for fqn, module in model.named_modules():
+        moe_rows = experts.experts_rows(fqn, module, converted, experts_plan, WOULD_FP8, WOULD_CONVERT)
+        if moe_rows is not None:
+            rows.extend(LayerPrecision(name, precision, reason, label, flops, preview=not converted,
+                                       family=experts.EXPERTS_FAMILY) for name, precision, reason, label, flops in moe_rows)
+            continue
+        if fqn in routers and not isinstance(module, FP8Layer):
+            weight = getattr(module, "weight", None)
+            flops = weight.numel() if weight is not None and weight.dim() == 2 else 0
+            rows.append(LayerPrecision(fqn, "bf16", experts.ROUTER_REASON, routers[fqn], flops, not converted,
+                                       family=experts.ROUTER_FAMILY))
+            continue
+        unreadable = experts.unreadable_experts_reason(module)
+        if unreadable is not None:
+            rows.append(LayerPrecision(fqn, "bf16", unreadable, type(module).__name__, 0, not converted,
+                                       family=experts.EXPERTS_FAMILY))
+            continue
         layout = layout_of(module)
         # FP8 communication needs a layer casting its input per tensor in FP8 (its styles' run-time rule)
         parallel = layout.describe(casts_input_per_tensor(module)) if layout is not None else ""
         if isinstance(module, FP8Layer):
             label = kinds.label(module)
-            flops = module.in_features * module.out_features
+            flops = getattr(module, "flops_per_token", module.in_features * module.out_features)
             scaling, recipe_label = module.recipe.scaling, module.recipe.label
             family = kinds.family(module)
             if module.fp8_enabled:
@@ -376,30 +405,71 @@ def provisional_layers(model: nn.Module) -> Dict[str, FP8Layer]:
 def settle_first_last(model: nn.Module, example_input: Any) -> bool:
     """Decide first / last from one forward on `example_input` (traced on the meta device where the model allows,
     see conversion/order.py) over the layers conversion counted (FP8 layers computing in FP8, and the provisional
-    ones), and switch them accordingly: the first and last groups off with the traced reason, the other provisional
-    layers on. Returns whether the trace ran; where it fails, the guess stands with the failure in its reason.
+    ones): the first and last groups become their plain classes again with the traced reason (as conversion with an
+    example input leaves them), the other provisional layers compute in FP8. Returns whether the trace ran; where it
+    fails, the guess stands (`keep_first_last_guess`) with the failure in its reason.
 
     example_input: what `layer_order` takes, or an `ExampleCall(args, kwargs)` of a real call."""
     provisional = provisional_layers(model)
     if not provisional:
         return False
-    candidates = [fqn for fqn, layer in fp8_layers(model).items() if layer.fp8_enabled or fqn in provisional]
+    candidates = [fqn for fqn, layer in fp8_layers(model).items()
+                  if fqn and (layer.fp8_enabled or fqn in provisional) and kinds.family(layer) != experts.EXPERTS_FAMILY]
     order = layer_order(model, candidates, example_input)
-    reasons = _first_last_reasons(order, model) if order.method == "traced" else {}
+    if order.method != "traced":
+        for layer in provisional.values():
+            layer.fp8_disabled_reason = f"{layer.fp8_disabled_reason}; the first forward could not be traced either"
+        keep_first_last_guess(model)
+        return False
+    reasons = _first_last_reasons(order, model)
+    for layer in provisional.values():
+        del layer.__dict__[PROVISIONAL_ATTR]
+        layer.fp8_enabled = True
+    _back_to_plain(model, {fqn: reasons[fqn] for fqn in candidates if fqn in reasons})
+    return True
+
+
+def settle_first_last_from_state(model: nn.Module, state_keys) -> bool:
+    """Decide first / last as the run a checkpoint comes from decided them: of the provisional layers, those the
+    checkpoint's FP8 state (`fp8_state_dict` keys) holds were FP8 layers there and compute in FP8, the others become
+    their plain classes again (that run kept them in BF16). Returns whether anything was provisional."""
+    provisional = provisional_layers(model)
+    if not provisional:
+        return False
+    saved = {key.partition(".fp8_meta.")[0] for key in state_keys}
+    plain = {}
     for fqn, layer in provisional.items():
         del layer.__dict__[PROVISIONAL_ATTR]
-    if order.method != "traced":
-        for fqn, layer in provisional.items():
-            layer.fp8_disabled_reason = f"{layer.fp8_disabled_reason}; the first forward could not be traced either"
-        return False
-    for fqn in candidates:
-        layer = model.get_submodule(fqn) if fqn else model
-        if fqn in reasons:
-            layer.fp8_enabled = False
-            layer.fp8_disabled_reason = reasons[fqn]
-        elif fqn in provisional:
+        if fqn in saved:
             layer.fp8_enabled = True
+        elif fqn:
+            plain[fqn] = (f"first or last linear layer kept in BF16 ({FIRST_LAST_SWITCH}; as in the run the resumed "
+                          "checkpoint comes from)")
+    _back_to_plain(model, plain)
     return True
+
+
+def keep_first_last_guess(model: nn.Module) -> None:
+    """The provisional layers (`first_last_until_traced`) become their plain classes with the module order's guess
+    as their reason: what conversion without a trace leaves (a model about to be sharded, whose first forward is not
+    traced, or one whose trace failed)."""
+    provisional = provisional_layers(model)
+    for layer in provisional.values():
+        del layer.__dict__[PROVISIONAL_ATTR]
+    _back_to_plain(model, {fqn: layer.fp8_disabled_reason for fqn, layer in provisional.items() if fqn})
+
+
+def _back_to_plain(model: nn.Module, reasons: Dict[str, str]) -> None:
+    """FP8 layers of `model` ({fqn: reason}) replaced by their original classes (same Parameters), the reason
+    recorded as conversion records it."""
+    if not reasons:
+        return
+    parents = _parent_index(model)
+    for fqn, reason in reasons.items():
+        layer = model.get_submodule(fqn)
+        plain = transplant.to_unconverted(layer)
+        plain.__dict__[SKIP_REASON_ATTR] = reason
+        _replace_everywhere(parents, layer, plain)
 
 
 def _parent_index(model: nn.Module) -> Dict[int, List[tuple]]:
@@ -432,6 +502,8 @@ __all__ = [
     "precision_map",
     "plan_conversion",
     "settle_first_last",
+    "keep_first_last_guess",
+    "settle_first_last_from_state",
     "provisional_layers",
     "ExampleCall",
     "fp8_layers",

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_fp8.modules.conv import FP8ConvNd
+from lightning_fp8.modules.experts import FP8GroupedLinear
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
 
@@ -219,7 +220,10 @@ def _kind_of_fp8_layer(layer: FP8Layer) -> Optional[LinearKind]:
 
 
 def label(module: nn.Module) -> str:
-    """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D")."""
+    """The kind's label of a linear layer, converted or not ("nn.Linear", "transformers Conv1D"); an experts
+    module's FP8 GEMM says whose projection it is."""
+    if isinstance(module, FP8GroupedLinear):
+        return module.label
     cls = base_class(module)
     kind = _kind_of_fp8_layer(module) if isinstance(module, FP8Layer) else linear_kind(module)
     return kind.label if kind is not None else cls.__name__
@@ -227,7 +231,9 @@ def label(module: nn.Module) -> str:
 
 def family(module: nn.Module) -> str:
     """"linear" or "convolution": the family of a linear-kind layer, converted or not (of its kind, registered
-    kinds included)."""
+    kinds included); "experts" for an experts module's FP8 GEMM."""
+    if isinstance(module, FP8GroupedLinear):
+        return "experts"
     if isinstance(module, FP8Layer):
         kind = _kind_of_fp8_layer(module)
         if kind is None:

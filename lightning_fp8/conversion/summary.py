@@ -49,6 +49,22 @@ class ConversionSummary:
         return [r for r in self.rows if r.flops_per_token and r.family == "linear"]
 
     @property
+    def experts_rows(self) -> List[LayerPrecision]:
+        """The grouped GEMMs of the mixture-of-experts layers (one row per projection of each experts module)."""
+        return [r for r in self.rows if r.family == "experts"]
+
+    @property
+    def experts_fp8_share(self) -> float:
+        """The share of the experts' multiply-adds per token (top-k routed) in FP8."""
+        total = sum(r.flops_per_token for r in self.experts_rows)
+        return sum(r.flops_per_token for r in self.experts_rows if r.fp8) / total if total else 0.0
+
+    @property
+    def token_gemm_rows(self) -> List[LayerPrecision]:
+        """What a token's forward multiplies: the linear layers, the routed experts' GEMMs and the routers."""
+        return [r for r in self.rows if r.family in ("linear", "experts", "router")]
+
+    @property
     def conv_rows(self) -> List[LayerPrecision]:
         """Every convolution, FP8 or not (transposed and 3-D ones included, with 0 multiply-adds counted)."""
         return [r for r in self.rows if r.family == "convolution"]
@@ -97,6 +113,18 @@ class ConversionSummary:
                 f"lightning_fp8: {n_fp8} of {len(linear)} linear layers {verb} in FP8: {self.fp8_share:.1%} of linear "
                 f"FLOPs (per token: {self.fp8_flops:,} of {self.linear_flops:,} multiply-adds)."
             )
+        experts = self.experts_rows
+        if experts:
+            n_experts = sum(1 for r in experts if r.fp8)
+            token_rows = self.token_gemm_rows
+            total = sum(r.flops_per_token for r in token_rows)
+            fp8 = sum(r.flops_per_token for r in token_rows if r.fp8)
+            lines.append(
+                f"lightning_fp8: {n_experts} of {len(experts)} expert GEMMs (grouped, per projection of each experts "
+                f"module) {verb} in FP8: {self.experts_fp8_share:.1%} of the experts' FLOPs per token (the top-k "
+                f"experts a token is routed to). With the linear layers and routers: {fp8 / total if total else 0:.1%} "
+                f"of the GEMM work per token in FP8 ({fp8:,} of {total:,} multiply-adds)."
+            )
         if convs:
             n_conv = sum(1 for r in convs if r.fp8)
             share = self.conv_fp8_flops / self.conv_flops if self.conv_flops else 0.0
@@ -144,20 +172,35 @@ class ConversionSummary:
         return lines
 
     def warning(self) -> Optional[str]:
-        """A warning when nothing or little of the model runs in FP8, naming what the model is made of."""
+        """A warning when nothing or little of the model runs in FP8, naming what the model is made of, or when its
+        mixture-of-experts layers (most of a MoE model's GEMM work) stay in BF16."""
         share = self.gemm_fp8_share
         if share >= LITTLE_FP8_SHARE:
-            return None
+            return self.experts_warning()
         found = ", ".join(f"{name} x{count}" for name, count in self.module_types.items()) or "no module with parameters"
         if share:
             head = f"only {share:.1%} of the GEMM multiply-adds " + ("would run" if self.preview else "run")
         else:
             head = "no layer " + ("would run" if self.preview else "runs")
+        experts = self.experts_warning()
         return (
             f"lightning_fp8: {head} in FP8. The model is made of: {found}. FP8 covers linear layers "
-            "(nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections) and convolutions (nn.Conv1d, "
-            "nn.Conv2d); the other modules run in BF16. See precision_map(model) for the reason of every layer."
+            "(nn.Linear, transformers' Conv1D, nn.MultiheadAttention's projections), convolutions (nn.Conv1d, "
+            "nn.Conv2d) and the experts of mixture-of-experts layers (transformers' experts modules); the other "
+            "modules run in BF16. See precision_map(model) for the reason of every layer."
+            + (f" {experts[len('lightning_fp8: '):]}" if experts else "")
         )
+
+    def experts_warning(self) -> Optional[str]:
+        """A warning when most of the experts' work per token stays in BF16, with the reasons."""
+        experts = self.experts_rows
+        if not experts or self.experts_fp8_share >= LITTLE_FP8_SHARE:
+            return None
+        reasons = sorted({r.reason for r in experts if not r.fp8})
+        verb = "would stay" if self.preview else "stays"
+        return (f"lightning_fp8: {1 - self.experts_fp8_share:.1%} of the mixture-of-experts work per token {verb} in "
+                f"BF16 ({sum(1 for r in experts if not r.fp8)} of {len(experts)} expert GEMMs): "
+                + "; ".join(reasons[:3]) + ". See precision_map(model).")
 
 
 def conversion_summary(model: nn.Module, note: Optional[str] = None) -> ConversionSummary:
