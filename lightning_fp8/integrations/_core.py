@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from lightning_fp8.conversion.convert import (
-    PROVISIONAL_ATTR,
     ExampleCall,
     convert_to_fp8,
     fp8_layers,
+    keep_first_last_guess,
     provisional_layers,
     settle_first_last,
+    settle_first_last_from_state,
 )
 from lightning_fp8.conversion.order import AUTO
 from lightning_fp8.conversion.filters import ModuleFilter
@@ -231,7 +232,9 @@ class FP8PrecisionCore:
 
         def settle(model: nn.Module, args: tuple, kwargs: dict) -> None:
             self._first_forward_hooks.pop(id(model)).remove()
-            settle_first_last(model, ExampleCall(tuple(args), dict(kwargs)))  # switches only: the engine is unchanged
+            settle_first_last(model, ExampleCall(tuple(args), dict(kwargs)))
+            if self.engine.model is model:  # the first and last layers are plain again: the engine's record follows
+                self.engine.attach(model)
             self.log_summary(model)
 
         self._first_forward_hooks[id(module)] = module.register_forward_pre_hook(settle, with_kwargs=True)
@@ -241,8 +244,7 @@ class FP8PrecisionCore:
         / last layers stay as the module order guessed (switched off, the guess as reason), and the summary says so
         when it is logged."""
         handle = self._first_forward_hooks.pop(id(module), None)
-        for layer in provisional_layers(module).values():
-            del layer.__dict__[PROVISIONAL_ATTR]
+        keep_first_last_guess(module)
         if handle is not None:
             handle.remove()
             self.log_summary(module)  # held back for the first forward's decision
@@ -381,9 +383,18 @@ class FP8PrecisionCore:
                                               saved_auto["reason"])
         # each layer's recipe first: adopting it resizes the amax history to the saved length, which the saved
         # history then fills (in the other order the saved history would be cut to this run's length)
+        meta = state_dict.get("fp8_meta")
+        if self._module is not None and provisional_layers(self._module):
+            # first / last as the checkpoint's run decided them (its FP8 layers are in its FP8 state), before its
+            # layers' recipes and states load; the first forward traces nothing then
+            settle_first_last_from_state(self._module, list(meta or {}))
+            hook = self._first_forward_hooks.pop(id(self._module), None)
+            if hook is not None:
+                hook.remove()
+                self.engine.attach(self._module)
+                self.log_summary(self._module)  # held back for the first forward's decision
         if self._module is not None and state_dict.get("layer_recipes"):
             load_layer_recipe_state(self._module, state_dict["layer_recipes"])
-        meta = state_dict.get("fp8_meta")
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
         self.engine.resync()
