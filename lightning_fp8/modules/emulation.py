@@ -79,8 +79,8 @@ def _bf16_tensorwise(operands: GemmOperands) -> Tensor:
     So the combined scale s = scale_a * scale_b goes into B's image (its table, `fp8_bf16_image(..., scale=s)`: no
     pass of its own) where that changes no rounding: every nonzero |B value * s| and every nonzero partial sum (a
     multiple of 2^-32 * s, the finest grid of a product of two FP8 values) stays a normal number and far from
-    overflow, which s in [2^-94, 2^60] guarantees. Elsewhere the output is scaled after the GEMM. A bias is added before the one
-    rounding (addmm), as the scaled GEMM adds it in its float32 epilogue."""
+    overflow, which s in [2^-94, 2^60] guarantees. Elsewhere the output is scaled after the GEMM. A bias is added
+    before the one rounding (addmm), as the scaled GEMM adds it in its float32 epilogue."""
     a, b, bias = operands.a, operands.b, operands.bias
     scale = float(a.scale_inv) * float(b.scale_inv)  # powers of two: the product is exact
     a_img = fp8_bf16_image(a.data)
