@@ -101,6 +101,24 @@ def test_a_meta_built_sharded_model_resumes_from_a_distributed_checkpoint(runs):
         _resumed_bit_identical(r)
 
 
+def test_experts_under_fsdp2_and_ddp_keep_identical_fp8_state_on_every_rank(runs):
+    """A tiny Mixtral's experts (grouped FP8 GEMMs) under FSDP2 and DDP, each rank on its own batches: the experts'
+    FP8 histories are identical on both ranks (the engine's amax all-reduce covers them), and FSDP2 computes what
+    DDP computes (2 ranks: the reductions add two float32 numbers, exact)."""
+    for name in ("moe_fsdp2", "moe_ddp"):
+        r0, r1 = runs(name)
+        assert len(r0["experts"]) == 4 and r0["experts"] == r1["experts"]
+        assert r0["losses"] != r1["losses"]  # the ranks trained on different batches
+        keys = [key for key in r0["fp8"] if ".experts." in key]
+        assert keys and all(torch.equal(r0["fp8"][key], r1["fp8"][key]) for key in r0["fp8"])
+        assert all(r0["fp8"][key][:, 1:].gt(0).any() for key in keys if key.endswith("amax_history"))
+        assert torch.equal(r0["weights"], r1["weights"])
+    fsdp, ddp = runs("moe_fsdp2")[0], runs("moe_ddp")[0]
+    _matches(fsdp, ddp)
+    for key in fsdp["fp8"]:
+        assert torch.equal(fsdp["fp8"][key], ddp["fp8"][key]), key
+
+
 def test_lightning_fp8_optimizer_on_sharded_parameters_resumes_bit_identically(runs):
     r0, r1 = runs("lightning_fsdp2_fp8_optimizer")
     _same_on_both_ranks(r0, r1)

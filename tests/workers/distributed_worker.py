@@ -635,6 +635,52 @@ def all_gather_lazy_scales():
     return result
 
 
+def _moe_run(fsdp: bool) -> dict:
+    """A tiny Mixtral (tests/support/moe_models.py) for 4 steps under the Lightning plugin, each rank on its own
+    batches: FSDP2 (fully_shard per decoder layer: the experts' 3-D weights sharded over the experts) or DDP."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
+    from support.moe_models import moe_model, token_batches
+
+    class MoEModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = moe_model("mixtral")
+            self.losses = []
+
+        def configure_model(self) -> None:
+            if fsdp:
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, _):
+            loss = self.model(**batch).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    plugin = FP8Precision()
+    module = MoEModule()
+    trainer(mp_strategy() if fsdp else DDPStrategy(), plugin, 4).fit(
+        module, DataLoader(token_batches(4, seed=rank()), batch_size=None))
+    return {"losses": module.losses, "weights": full_weights(module), **fp8_state(plugin, module),
+            "experts": sorted(fqn for fqn, m in module.named_modules() if type(m).__name__ == "FP8GroupedLinear")}
+
+
+def moe_fsdp2():
+    """Mixture-of-experts layers under FSDP2: the experts' grouped FP8 GEMMs on the gathered expert weights, their
+    FP8 state closed with every other layer's in the engine's one collective."""
+    return _moe_run(fsdp=True)
+
+
+def moe_ddp():
+    """The same run under DDP: the reference of moe_fsdp2."""
+    return _moe_run(fsdp=False)
+
+
 def all_gather_amax_collectives():
     """The weight-amax agreement of FP8 all-gather, counted: MAX all-reduces per training iteration for models of 2 and
     4 FP8 layers (each its own FSDP2 unit; the last one unevenly sharded), with the agreement made after each optimizer
@@ -730,6 +776,8 @@ SCENARIOS = {
     "all_gather_paths": all_gather_paths,
     "all_gather_lazy_scales": all_gather_lazy_scales,
     "all_gather_amax_collectives": all_gather_amax_collectives,
+    "moe_fsdp2": moe_fsdp2,
+    "moe_ddp": moe_ddp,
 }
 
 
