@@ -49,7 +49,8 @@ _NO_KERNEL = {
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit",  # profiler ranges
 }
 #: GEMM operators (their FLOPs: `_gemm_flops`)
-_GEMMS = {"mm", "addmm", "_scaled_mm", "_scaled_mm_v2", "bmm", "baddbmm", "matmul"}
+_GEMMS = {"mm", "addmm", "_scaled_mm", "_scaled_mm_v2", "bmm", "baddbmm", "matmul", "_grouped_mm",
+          "_scaled_grouped_mm"}
 #: in-place operators whose first argument is written without being read
 _WRITE_ONLY_SELF = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_", "bernoulli_"}
 
