@@ -89,7 +89,8 @@ def cpu_info() -> dict:
                 info["model"] = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
                 flags = line.split(":", 1)[1].split()
-                info["flags"] = sorted(f for f in flags if "bf16" in f or f.startswith("amx") or f in ("avx512f", "avx2"))
+                info["flags"] = sorted(f for f in flags
+                                       if "bf16" in f or f.startswith("amx") or f in ("avx512f", "avx2"))
                 break
     except OSError:
         pass
@@ -159,8 +160,8 @@ def markdown(result: dict) -> str:
               f"{r['median_paired_ratio']} |" for r in result["rows"]]
     if result["missing"]:
         lines += ["", f"Not measured: {', '.join(result['missing'])} (torchao not importable here)."]
-    lines += ["", "torchao has no delayed scaling, and its blockwise training quantizes with Triton kernels only (no CPU "
-                  "path): neither has a torchao row."]
+    lines += ["", "torchao has no delayed scaling, and its blockwise training quantizes with Triton kernels only "
+                  "(no CPU path): neither has a torchao row."]
     return "\n".join(lines) + "\n"
 
 

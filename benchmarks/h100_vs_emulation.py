@@ -150,8 +150,8 @@ def markdown(rows: list, meta: dict) -> str:
     for r in rows:
         slow = f"{r['err_h100_slow']:.2e}" if "err_h100_slow" in r else ""
         lines.append(f"| {r['role']} | {r['k']} | {'fast' if r['fast_accum'] else 'slow'} | {r['split']} | "
-                     f"{100 * r['differ']:.1f} % | {r['rel_emu_h100']:.2e} | {r['err_h100']:.2e} | {r['err_emu']:.2e} | "
-                     f"{slow} |")
+                     f"{100 * r['differ']:.1f} % | {r['rel_emu_h100']:.2e} | {r['err_h100']:.2e} | "
+                     f"{r['err_emu']:.2e} | {slow} |")
     lines += [
         "",
         "rel(emu, H100): ||emulation - H100|| / ||H100|| of the BF16 outputs. err: ||result - exact|| / ||exact|| with "

@@ -168,8 +168,8 @@ def run_on_gpu_model(operands: GemmOperands, backend: str) -> Tensor:
                                    splitk=known if known is not None else "auto")
     except mmaemu.SplitKUnknownError as error:
         raise SplitKUnknownError(
-            f"lightning_fp8: FP8Recipe(backend={backend!r}) cannot compute the {call.describe()} as an {gpu.name} does: "
-            f"{error}. If you know how that GPU ran it, say so: "
+            f"lightning_fp8: FP8Recipe(backend={backend!r}) cannot compute the {call.describe()} as an {gpu.name} "
+            f"does: {error}. If you know how that GPU ran it, say so: "
             f"`with lightning_fp8.modules.gpu_model.known_splits({{({m}, {k}, {n}): 1}}):` (unsplit; or (S, scheme)), "
             f"or `known_splits(no_workspace=True)` for a GPU run with CUBLASLT_WORKSPACE_SIZE=0."
         ) from error
