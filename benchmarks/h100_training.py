@@ -1,17 +1,21 @@
 """The loss gap the emulation hides: the demo's char-GPT trained with the H100's own GEMM bits
 (FP8Recipe(backend="h100"), mmaemu's model of an H100 PCIe) beside the default CPU emulation and BF16.
 
-Same model, seed, data order and fixed validation set for every run; LR warms up then decays to zero (docs/measuring.md);
-several seeds, so the gaps are read against the seed spread. The two FP8 runs of a seed cast identically and differ only
-in how their GEMMs accumulate and round (H100: 32-product blocks with 13 fraction bits kept, fast accumulation in the
-forward GEMM; emulation: float32 accumulation), so their step-by-step loss difference is what the emulation hides.
+Same model, seed, data order and fixed validation set for every run; LR warms up then decays to zero
+(docs/measuring.md); several seeds, so the gaps are read against the seed spread. The two FP8 runs of a seed cast
+identically and differ only in how their GEMMs accumulate and round (H100: 32-product blocks with 13 fraction bits
+kept, fast accumulation in the forward GEMM; emulation: float32 accumulation), so their step-by-step loss difference
+is what the emulation hides.
 
 The block linears have no bias (mmaemu does not model cuBLASLt's bias epilogue, lightning_fp8/modules/gpu_model.py),
 in all three runs. The H100 runs use `known_splits(no_workspace=True)`: these small GEMMs are outside mmaemu's H100
 split-K records, so the runs are those of an H100 with CUBLASLT_WORKSPACE_SIZE=0 (cuBLASLt never splits K there).
 
-    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/h100_training.py --d-model 64 --seeds 0 1 --steps 200 \
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/h100_training.py --d-model 64 --seeds 0 1 2 --steps 200 \
         --out benchmarks/results/h100_training_d64
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/h100_training.py --d-model 64 --mlp-ratio 32 --batch-size 4 \
+        --seeds 0 1 --steps 100 --warmup 10 --variants bf16 fp8-emulated fp8-h100 fp8-h100-slow \
+        --out benchmarks/results/h100_training_k2048
 
 Writes OUT.json and OUT.md (after each run).
 """
@@ -121,7 +125,8 @@ def markdown(runs: list, meta: dict) -> str:
         "recipe default (delayed scaling, HYBRID formats, first and last linear in BF16); the H100 runs as with "
         "CUBLASLT_WORKSPACE_SIZE=0 (no split-K). Not a timing benchmark.",
         "",
-        "| seed | BF16 val | FP8 emulated val | FP8 H100 val | H100 - emulated | largest train-loss difference, H100 vs emulated |",
+        "| seed | BF16 val | FP8 emulated val | FP8 H100 val | H100 - emulated | "
+        "largest train-loss difference, H100 vs emulated |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     by = {(r["variant"], r["seed"]): r for r in runs}
@@ -151,7 +156,8 @@ def markdown(runs: list, meta: dict) -> str:
                   "|---:|---:|---:|---:|"]
         for s, f in slow:
             step_gap = max(abs(a - b) for a, b in zip(s["train_losses"], f["train_losses"]))
-            lines.append(f"| {s['seed']} | {s['val_loss']:.4f} | {s['val_loss'] - f['val_loss']:+.4f} | {step_gap:.4f} |")
+            lines.append(f"| {s['seed']} | {s['val_loss']:.4f} | {s['val_loss'] - f['val_loss']:+.4f} | "
+                         f"{step_gap:.4f} |")
     return "\n".join(lines) + "\n"
 
 
