@@ -4,7 +4,8 @@ The weight-gradient GEMM of an experts layer contracts each expert's tokens, so 
 scaled per (expert, column) over that expert's rows (numerics/groups.py `quantize_groups`): what this op casts, in
 the transposed layout that GEMM reads (x^T (C, M) row-major: dy^T as mat_a, x^T as the storage of a column-major
 mat_b), with the scales (E, C) and the amax record. The other casts of an experts layer are rowwise tiles
-(`lightning_fp8::tiled_cast` on a 2-D view). Every device runs the torch definition (kernels/reference.py).
+(`lightning_fp8::tiled_cast` on a 2-D view). On CUDA it is the Triton kernel of kernels/triton_grouped.py (one
+launch); elsewhere, and with stochastic rounding, the torch definition (kernels/reference.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from lightning_fp8.kernels import reference
+from lightning_fp8.kernels import reference, triton_enabled_for, use_soft_cast
 from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics.formats import get_format
 
@@ -31,9 +32,16 @@ def grouped_cast_op(
     noise: Optional[Tensor],
     record: bool,
 ) -> tuple[Tensor, Tensor]:
+    f = get_format(fmt)
+    if noise is None and triton_enabled_for(x):
+        from lightning_fp8.kernels.triton_grouped import launch_grouped_cast
+
+        q_t, s = launch_grouped_cast(x, history[role, 0:1] if record else None, f, offsets, margin, power_of_2,
+                                     hw_cast=not use_soft_cast(x))
+        return q_t.view(f.dtype), s
     with autocast_off(x.device):
-        q_t, s = reference.grouped_cast_reference(x, history, role, get_format(fmt), offsets, margin, power_of_2,
-                                                  noise=noise, record=record)
+        q_t, s = reference.grouped_cast_reference(x, history, role, f, offsets, margin, power_of_2, noise=noise,
+                                                  record=record)
     return q_t, s
 
 

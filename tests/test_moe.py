@@ -358,3 +358,145 @@ def test_grouped_recipe_keeps_the_recipes_choices_in_e4m3_rowwise():
     recipe, _ = grouped_recipe(FP8Recipe(backend="h100"))
     assert recipe.backend == "auto"  # the H100 model covers per-tensor GEMMs only
     assert dataclasses.replace(recipe) == recipe
+
+
+# -- the ops ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("simulated", [None, (9, 0)])
+def test_the_grouped_ops_match_their_fake_impls(simulated):
+    """torch.library.opcheck of the grouped cast (the per-(expert, column) cast, uneven groups with an empty one and
+    rows past the last offset) and of fp8_gemm with offsets (both grouped kinds), on the CPU path and on a simulated
+    sm90 (where the planned calls are emulated): what torch.compile and the meta replay plan with."""
+    import contextlib
+
+    offsets = torch.tensor([10, 10, 40], dtype=torch.int32)
+    x = torch.randn(48, 80)
+    with simulate_cuda(simulated) if simulated else contextlib.nullcontext():
+        torch.library.opcheck(torch.ops.lightning_fp8.grouped_cast.default,
+                              (x, torch.zeros(3, 5), 0, "e4m3", offsets, 0, True, None, True),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                          "test_aot_dispatch_dynamic"))
+        forward, _, wgrad = _requests()
+        for request in (forward, wgrad):
+            a, b = request.a, request.b
+            args = (a.data, a.scale_inv, list(a.tile), None, b.data, b.scale_inv, list(b.tile), None,
+                    request.out_dtype, None, False, "auto", False, request.offsets)
+            torch.library.opcheck(torch.ops.lightning_fp8.fp8_gemm.default, args,
+                                  test_utils=("test_autograd_registration", "test_faketensor",
+                                              "test_aot_dispatch_dynamic"))
+
+
+# -- the Triton grouped cast --------------------------------------------------------------------------------------------
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
+interp = pytest.mark.skipif(not INTERPRETING or not HAS_TRITON or torch.cuda.is_available(),
+                            reason="runs inside test_grouped_cast_interpreter_part (TRITON_INTERPRET=1 from the start)")
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING or torch.cuda.is_available(),
+                    reason="needs triton and no GPU; runs the interp_ tests of this file")
+def test_grouped_cast_interpreter_part():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
+                          "interp_"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1]
+
+
+def _edge_rows(rows, cols, seed):
+    """Values across E4M3's range with ties, subnormals, the format's max, inf and NaN in some groups."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-12, 12, (rows, cols), generator=g).float())
+    x[1, :4] = torch.tensor([448.0, -448.0, 2.0**-9, 3.0 * 2.0**-10])
+    x[7, 5] = float("inf")
+    x[30, 9] = float("nan")
+    return x
+
+
+@interp
+@pytest.mark.parametrize("layout", ["row", "t"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_the_grouped_cast_kernel_is_the_reference_bit_for_bit(layout, dtype):
+    """The Triton kernel (the interpreter, exact integer rounding) against the torch definition: uneven experts, an
+    empty one, rows past the last offset, inf / NaN in single experts, a transposed input; codes, scales and the amax
+    record equal to the bit."""
+    from lightning_fp8.kernels import reference
+    from lightning_fp8.kernels.triton_grouped import launch_grouped_cast
+    from lightning_fp8.numerics.formats import E4M3
+
+    base = _edge_rows(150, 100, seed=3)
+    x = (base if layout == "row" else base.t().contiguous().t()).to(dtype)
+    offsets = torch.tensor([20, 20, 31, 90, 140], dtype=torch.int32)
+    history_ref, history = torch.zeros(3, 5), torch.zeros(3, 5)
+    q_ref, s_ref = reference.grouped_cast_reference(x, history_ref, 2, E4M3, offsets, 0, True)
+    codes, scales = launch_grouped_cast(x, history[2, 0:1], E4M3, offsets, 0, True, hw_cast=False)
+    assert torch.equal(codes, q_ref.view(torch.uint8))
+    assert torch.equal(scales, s_ref)
+    assert torch.equal(history.isnan(), history_ref.isnan())
+    assert torch.equal(history.nan_to_num(), history_ref.nan_to_num())
+
+
+def test_a_grouped_step_on_sm90_launches_the_fused_grouped_cast_and_reads_nothing_on_the_host():
+    """One training step of an experts projection on meta tensors under a simulated sm90 with the Triton casts
+    (kernels/trace.py): the per-(expert, column) casts are one launch each (x^T in the forward; dy^T and the weight's
+    per-expert transpose in the backward), the GEMMs the three planned grouped calls, and no value is read on the
+    host. The budget this pins (benchmarks/results/moe.md prices it)."""
+    pytest.importorskip("triton")
+    from lightning_fp8.engine.host import count_host_reads
+    from lightning_fp8.kernels.trace import record_launches
+    from lightning_fp8.modules.experts import ExpertsLayout, Projection, grouped_recipe
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down_proj = nn.Parameter(torch.empty(8, 256, 128, device="meta", dtype=torch.bfloat16))
+
+    layout = ExpertsLayout(8, (Projection("down_proj", None, "down"),) * 2, False, 2, "Experts")
+    with simulate_cuda((9, 0), triton=True), count_host_reads() as reads:
+        layer = FP8GroupedLinear(Experts(), layout, layout.projections[0], grouped_recipe(FP8Recipe())[0])
+        layer.autoupdate_scales = False
+        x = torch.empty(4096, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        offsets = torch.empty(8, device="meta", dtype=torch.int32)
+        with record_launches() as forward:
+            y = layer(x, offsets)
+        grad = torch.empty_like(y)
+        with record_launches() as backward:
+            y.backward(grad)
+    names = [launch.name for launch in forward] + [launch.name for launch in backward]
+    assert names.count("grouped_colwise") == 3 and names.count("_scaled_grouped_mm") == 3
+    assert list(reads) == []
+    assert len(forward) <= GROUPED_FORWARD_BUDGET and len(backward) <= GROUPED_BACKWARD_BUDGET, (
+        [launch.name for launch in forward], [launch.name for launch in backward])
+
+
+#: kernels of one experts projection's training step on sm90 under the engine (the test above), as reached: forward 9
+#: (rowwise x, grouped x^T, rowwise W, the GEMM, 5 to zero the rows past the last offset); backward 52 (rowwise dy,
+#: grouped dy^T, W^T per expert grouped plus its packing copy, two GEMMs with their zeroing, and the weight-gradient
+#: GEMM's 16-aligned token layout: about 30 small index computations on E- or T-long vectors and one gather per
+#: operand). Transformer Engine's dense structure is 6; what is above it costs a few microseconds each except the
+#: gathers and the zeroing passes (benchmarks/results/moe.md prices them)
+GROUPED_FORWARD_BUDGET, GROUPED_BACKWARD_BUDGET = 9, 52
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+def test_the_grouped_cast_kernel_compiles_for_hopper_and_blackwell(monkeypatch, arch):
+    """Triton's whole pipeline and the bundled ptxas for sm90 / sm100, for both conversions (the hardware cvt and the
+    exact integer rounding) and the input dtypes an experts layer casts (tests/test_triton_compile.py's machinery)."""
+    pytest.importorskip("triton")
+    compile_tests = pytest.importorskip("test_triton_compile")
+    from lightning_fp8.kernels import triton_grouped
+    from lightning_fp8.numerics.formats import E4M3
+
+    for dtype in (torch.bfloat16, torch.float32):  # (nothing runs: the launches are recorded, then compiled)
+        x, offsets, history = torch.zeros(64, 32, dtype=dtype), torch.tensor([9, 9, 40, 60], dtype=torch.int32), \
+            torch.zeros(3, 5)
+        for hw in (True, False):
+            variants = compile_tests.record(monkeypatch, triton_grouped, "_grouped_colwise_kernel",
+                                            lambda: triton_grouped.launch_grouped_cast(x, history[2, 0:1], E4M3,
+                                                                                       offsets, 0, True, hw_cast=hw))
+            assert len(variants) == 1
+            compile_tests.ptx_of(variants[0], arch)

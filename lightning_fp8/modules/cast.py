@@ -174,10 +174,12 @@ class GroupedCaster(Caster):
                                                power_of_2, record=record)
                 matrix = FP8Matrix(q.view(experts, n, k), s.view(experts, n, 1), (1, 0))
             if layouts[1]:
-                per_expert_t = x.transpose(1, 2).contiguous().reshape(experts * k, n)
-                (q_t, s_t), _ = kernels.tiled_cast(per_expert_t, history, index, fmt, (1, 0), (), margin, power_of_2,
-                                                   record=record and not layouts[0])
-                transposed = FP8Matrix(q_t.view(experts, k, n), s_t.view(experts, k, 1), (1, 0))
+                # each expert's W^T: the (E * N, K) rows grouped by expert, cast per (expert, column) and written
+                # transposed, (K, E * N), one launch; viewed as the experts' (K, N) matrices
+                ends = torch.arange(1, experts + 1, device=x.device, dtype=torch.int32) * n
+                q_t, s_t = kernels.grouped_cast(x.reshape(experts * n, k), history, index, fmt, ends, margin,
+                                                power_of_2, record=record and not layouts[0])
+                transposed = FP8Matrix(q_t.view(k, experts, n).permute(1, 0, 2), s_t.unsqueeze(-1), (1, 0))
             return FP8Operand(matrix, transposed)
         if layouts[0]:
             (q, s), _ = kernels.tiled_cast(x, history, index, fmt, (1, 0), (), margin, power_of_2, record=record,
