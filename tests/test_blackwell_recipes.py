@@ -222,12 +222,14 @@ def test_auto_recipe_through_fabric_and_accelerate(tmp_path, caplog, auto_prefer
         plugin = FabricFP8Precision(recipe="auto")
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = fabric.setup_module(RegressionModule().net)
+        model(torch.randn(4, 32))  # without an example input, first / last (and the summary) wait for this forward
         assert {layer.recipe.scaling for layer in fp8_layers(model).values()} == {"mxfp8"}
         assert sum(note in r.getMessage() for r in caplog.records) == 1
         assert plugin.state_dict()["auto_recipe"]["recipe"]["scaling"] == "mxfp8"
         caplog.clear()
         accelerator = FP8Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[FP8Kwargs(recipe="auto")])
         prepared = accelerator.prepare(RegressionModule().net)
+        prepared(torch.randn(4, 32))
         assert {layer.recipe.scaling for layer in fp8_layers(prepared).values()} == {"mxfp8"}
         assert sum(note in r.getMessage() for r in caplog.records) == 1
         accelerator.save_state(tmp_path)
