@@ -254,7 +254,7 @@ def test_the_conversion_summary_is_logged_once_per_set_of_layers():
     from lightning_fp8.integrations._core import FP8PrecisionCore
 
     logged = []
-    core = FP8PrecisionCore()
+    core = FP8PrecisionCore(example_input=torch.zeros(1, 32))  # first / last traced at conversion: summary there
     core._rank_zero_info = lambda message: logged.append(message)
     inner = _mlp()
     core.convert_module(inner)
@@ -277,7 +277,7 @@ def test_linear_layers_built_in_module_init_context_are_fp8_layers_decided_by_th
 
     original = nn.Linear
     before = nn.Linear(4, 4)
-    plugin = FabricFP8Precision()
+    plugin = FabricFP8Precision(example_input=torch.zeros(1, 32))  # first / last decided at conversion
     with plugin.module_init_context():
         assert torch.nn.Linear is not original
         torch.manual_seed(0)
@@ -291,7 +291,7 @@ def test_linear_layers_built_in_module_init_context_are_fp8_layers_decided_by_th
         assert type(Derived(4, 4)) is Derived
     assert torch.nn.Linear is original and nn.Linear is original
     plugin.convert_module(built)
-    reference = FabricFP8Precision().convert_module(_mlp())
+    reference = FabricFP8Precision(example_input=torch.zeros(1, 32)).convert_module(_mlp())
     rows, expected = precision_map(built), precision_map(reference)
     assert [(r.fqn, r.precision, r.reason) for r in rows] == [(r.fqn, r.precision, r.reason) for r in expected]
     assert sorted(fp8_layers(built)) == ["2", "4"] and type(built[0]) is original

@@ -241,10 +241,13 @@ class FP8PrecisionCore:
 
     def keep_first_last_guess(self, module: nn.Module) -> None:
         """A model about to be sharded or parallelized (its first forward would run collectives on shards): its first
-        / last layers stay as the module order guessed (switched off, the guess as reason), and the summary says so
+        / last layers stay as the module order guessed (plain layers, the guess as reason), and the summary says so
         when it is logged."""
         handle = self._first_forward_hooks.pop(id(module), None)
+        changed = bool(provisional_layers(module))
         keep_first_last_guess(module)
+        if changed and self.engine.model is module:  # the provisional layers are plain again: the engine's record too
+            self.engine.attach(module)
         if handle is not None:
             handle.remove()
             self.log_summary(module)  # held back for the first forward's decision
@@ -388,10 +391,10 @@ class FP8PrecisionCore:
             # first / last as the checkpoint's run decided them (its FP8 layers are in its FP8 state), before its
             # layers' recipes and states load; the first forward traces nothing then
             settle_first_last_from_state(self._module, list(meta or {}))
+            self.engine.attach(self._module)
             hook = self._first_forward_hooks.pop(id(self._module), None)
             if hook is not None:
                 hook.remove()
-                self.engine.attach(self._module)
                 self.log_summary(self._module)  # held back for the first forward's decision
         if self._module is not None and state_dict.get("layer_recipes"):
             load_layer_recipe_state(self._module, state_dict["layer_recipes"])

@@ -166,7 +166,8 @@ class FP8Layer(nn.Module):
         # the state alone. (Grad mode does not decide: reentrant activation checkpointing runs the training forward
         # under no_grad, and it must cast exactly as its recomputation will.)
         training = self.training
-        if training and self.fp8_meta.restarted_as is not None and not torch.compiler.is_compiling():
+        if (training and self.fp8_meta.restarted_as is not None and not x.is_meta
+                and not torch.compiler.is_compiling()):  # (a meta-device trace of the forward computes nothing)
             report_restarted_scaling()  # weights loaded without this layer's FP8 state: say so, once
         self.close_pending_step()
         observer = None if torch.compiler.is_compiling() else self.fp8_observer
