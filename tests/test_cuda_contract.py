@@ -825,7 +825,7 @@ def _launch_as_a_gpu(monkeypatch):
         if CPU_SCALED_MM[self.kind]:
             return real_launch(self)
         out = (self.mat_a.float() * self.scale_a) @ (self.mat_b.float() * self.scale_b)
-        return self._finished((out if self.bias is None else out + self.bias.float()).to(self.out_dtype))
+        return self.finished((out if self.bias is None else out + self.bias.float()).to(self.out_dtype))
 
     monkeypatch.setattr(Call, "runs_on_cpu", property(lambda self: True))
     return launch

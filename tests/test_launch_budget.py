@@ -47,7 +47,7 @@ built on the host while the step runs on the device) are not launches; their cop
 `test_the_recorder_counts_copies_inside_custom_ops_and_not_host_operators` pins both. The per-tensor, rowwise and
 blockwise budgets read the same with it: their casts are single Triton launches, and the one place it saw more (a
 blockwise layer with a bias: the bias widened to float32 and the float32 output rounded to bf16, two real kernels
-the old recorder dropped) now adds the bias and rounds in one kernel (modules/scaled_mm.py `_finished`).
+the old recorder dropped) now adds the bias and rounds in one kernel (modules/scaled_mm.py `ScaledMMCall.finished`).
 """
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ def run_on_gpu_model(operands: GemmOperands, backend: str) -> Tensor:
             f"lightning_fp8: FP8Recipe(backend={backend!r}) computes {MODELLED}; mmaemu refused the {call.describe()}: "
             f"{error}"
         ) from error
-    return call._finished(out)
+    return call.finished(out)
 
 
 def _mmaemu(backend: str):

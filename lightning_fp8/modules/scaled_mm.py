@@ -17,7 +17,8 @@ torch and the contract suite replays the rules of the torch that runs it:
                packed and 16-byte aligned (torch checks neither; sm89's rowwise kernel reads every operand as
                packed whatever its strides). A bias only with a bf16 / fp16 output and of that dtype; a float32
                output gets its bias added here, in float32, before the one rounding.
-  tensorwise   `torch._scaled_mm`, float32 0-d dequant scales; fast accumulation allowed.
+  tensorwise   `torch._scaled_mm`, float32 0-d dequant scales; fast accumulation where asked, below K = 4096
+               (`FAST_ACCUM_MAX_K`: measured against an H100's bits, its error grows with K).
   rowwise      `torch._scaled_mm`, scale_a (M, 1) and scale_b (1, N), float32, contiguous. sm90 runs cuBLASLt (any
                output dtype). sm89, sm100 and sm120 run CUTLASS kernels which take e5m2 only as mat_a and write, per
                torch release (`TORCH_RULES`): bf16 only before 2.10; bf16 and fp16 in 2.10 - 2.13 (float32 output:
@@ -106,6 +107,11 @@ GROUP_ALIGNMENT = 16
 
 #: out_dtypes a scaled GEMM writes directly
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the contraction length from which a GEMM that may use fast accumulation (a forward GEMM,
+#: FP8Recipe.fast_accum_forward) accumulates slowly instead: measured against an H100's bits, fast accumulation's error
+#: is that of the output's BF16 rounding at K = 256 (1.01x) and measurably above it from K = 4096 (1.26x; 2.07x at
+#: 16384), while slow accumulation stays at 1.00x at every K (benchmarks/results/h100_vs_emulation.md)
+FAST_ACCUM_MAX_K = 4096
 
 
 # -- what the target accepts ----------------------------------------------------------------------------------------
@@ -389,9 +395,9 @@ class ScaledMMCall:
             out = F.scaled_mm(self.mat_a, self.mat_b, self.scale_a, getattr(F.ScalingType, recipe_a), self.scale_b,
                               getattr(F.ScalingType, recipe_b), bias=self.bias, output_dtype=self.out_dtype,
                               use_fast_accum=self.use_fast_accum)
-        return self._finished(out)
+        return self.finished(out)
 
-    def _finished(self, out: Tensor) -> Tensor:
+    def finished(self, out: Tensor) -> Tensor:
         n, bias_after, out_dtype = self.finish
         sliced = out.shape[1] != n
         if sliced:
@@ -536,7 +542,8 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
             bias_arg = _padded_vector(bias.to(mm_dtype), n16)
     elif cutlass and mm_dtype == torch.float16 and target.cutlass_rowwise_fp16_needs_bias:
         bias_arg = torch.zeros(n16, dtype=torch.float16, device=a.device)  # the fp16 kernel is the one with a bias
-    fast_accum = operands.use_fast_accum
+    # fast accumulation (forward GEMMs that ask for it) only below FAST_ACCUM_MAX_K: its error grows with K
+    fast_accum = operands.use_fast_accum and k < FAST_ACCUM_MAX_K
     return ScaledMMCall(V1, kind, mat_a, mat_b, scale_a, scale_b, bias_arg, mm_dtype, fast_accum,
                         _Finish(n, bias_after, out_dtype), target)
 
@@ -620,9 +627,9 @@ class ScaledGroupedMMCall(ScaledMMCall):
     def launch(self) -> Tensor:
         out = torch._scaled_grouped_mm(self.mat_a, self.mat_b, self.scale_a, self.scale_b, offs=self.offs,
                                        out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum)
-        return self._finished(out)
+        return self.finished(out)
 
-    def _finished(self, out: Tensor) -> Tensor:
+    def finished(self, out: Tensor) -> Tensor:
         if self.kind == GROUPED_ROWS:
             in_group = group_of_rows(self.groups, out.shape[0]) < self.groups.shape[0]
             out = torch.where(in_group.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -669,7 +676,7 @@ def _plan_grouped(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scale
     if a.tile != (1, 0) or (b.tile not in ((0, 1),)):
         return Refusal(f"torch's grouped scaled GEMM takes rowwise scales only, not the tiling {a.tile} x {b.tile}")
     offsets = operands.offsets.to(torch.int32).contiguous()
-    fast_accum = operands.use_fast_accum
+    fast_accum = operands.use_fast_accum and k < FAST_ACCUM_MAX_K
     if grouped == "rows":
         if k % 16 or n % 16:
             return Refusal(f"torch's grouped scaled GEMM needs K and N in multiples of 16 ({m} x {k} x {n})")
