@@ -16,6 +16,8 @@ ROLES = ("input", "weight", "grad_output")
 
 FORMAT_CHOICES = ("hybrid", "e4m3", "e5m2", "e2m1")
 SCALING_CHOICES = ("delayed", "current", "rowwise", "blockwise", "mxfp8", "nvfp4")
+#: scalings with one scale per tensor (what FP8 all-gather and FP8 tensor-parallel communication can carry)
+PER_TENSOR_SCALINGS = ("delayed", "current")
 #: the block-scaled formats of Blackwell tensor cores (lightning_fp8/numerics/microscaling.py)
 MICROSCALING_SCALINGS = ("mxfp8", "nvfp4")
 #: scalings with one scale per tile of a tensor instead of one per tensor (lightning_fp8/numerics/tiles.py)

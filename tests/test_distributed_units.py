@@ -272,7 +272,7 @@ def test_linear_layers_built_in_module_init_context_are_fp8_layers_decided_by_th
     nn.Linear subclass. The next conversion decides those layers with every rule: the same FP8 layers, reasons and
     weights as converting the same model built outside."""
     from lightning_fp8 import fp8_layers, precision_map
-    from lightning_fp8.integrations._construction import CONSTRUCTED_ATTR
+    from lightning_fp8.conversion.built_layers import BUILT_UNDECIDED_ATTR as CONSTRUCTED_ATTR
     from lightning_fp8.modules.linear import FP8Linear
 
     original = nn.Linear

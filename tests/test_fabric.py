@@ -131,3 +131,23 @@ def test_fp8_eval_false_evaluates_in_the_compute_dtype():
             with fabric.autocast(), fp8_autocast(enabled=False):
                 outs["reference"] = model.module(x).float()
     assert torch.equal(outs[False], outs["reference"]) and not torch.equal(outs[True], outs["reference"])
+
+
+def test_the_parallelize_conversion_is_installed_with_the_plugins_and_removed_with_them():
+    """Fabric's ModelParallelStrategy.setup_module is wrapped (conversion before the parallelize function) while an FP8
+    plugin exists, and is Fabric's own again once the last one is gone: never patched process-wide for good."""
+    import gc
+
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    gc.collect()
+    own = ModelParallelStrategy.setup_module
+    assert not hasattr(own, "__wrapped__")
+    first, second = FP8Precision(), FP8Precision()
+    assert ModelParallelStrategy.setup_module.__wrapped__ is own
+    del first
+    gc.collect()
+    assert ModelParallelStrategy.setup_module.__wrapped__ is own
+    del second
+    gc.collect()
+    assert ModelParallelStrategy.setup_module is own

@@ -30,7 +30,7 @@ from lightning_fp8.conversion.filters import (
     structural_skip_reason,
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
-from lightning_fp8.conversion.order import AUTO, ExampleCall, LayerOrder, layer_order
+from lightning_fp8.conversion.order import AUTO, ExampleCall, LayerOrder, NoTrace, layer_order
 from lightning_fp8.modules.attention import ProjectedMultiheadAttention
 from lightning_fp8.modules.experts import revert_experts
 from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
@@ -48,6 +48,9 @@ WOULD_FP8 = "would-fp8"
 SUMMARY_LOGGED_ATTR = "_fp8_summary_logged"
 #: set on an FP8 layer switched off only on the module order's first / last guess (`first_last_until_traced`)
 PROVISIONAL_ATTR = "_fp8_first_last_guess"
+#: set on an FP8 layer built as one before conversion decided it (conversion/built_layers.py): `plan_conversion`
+#: decides it as the plain layer it stands for
+BUILT_UNDECIDED_ATTR = "_fp8_constructed"
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def convert_to_fp8(
     per_layer = normalize_layer_recipes(layer_recipes)
     decisions, _ = _plan_with_attention(model, recipe, module_filter, example_input, layer_recipes=per_layer)
     experts_plan = experts.plan_experts(model, recipe, module_filter, per_layer)
-    parents = _parent_index(model)
+    parents = transplant.parent_index(model)
     if per_layer:
         warn_unmatched(per_layer, [fqn for fqn, reason in decisions.items() if reason is None])
     for fqn, reason in decisions.items():
@@ -135,7 +138,7 @@ def convert_to_fp8(
         if not fqn:
             model = new
         else:
-            _replace_everywhere(parents, module, new)
+            transplant.replace_everywhere(parents, module, new)
     experts.apply_experts_plan(model, experts_plan)  # mixture-of-experts layers: FP8 grouped GEMMs
     attention.guard_fast_paths(model)
     model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
@@ -157,7 +160,10 @@ def plan_conversion(
     preview: bool = False,
     layer_recipes: Optional[LayerRecipes] = None,
 ) -> Dict[str, Optional[str]]:
-    """{fqn: None (convert) or the reason to stay in BF16} for every linear layer not in FP8 yet, in module order.
+    """{fqn: None (convert) or the reason to stay in BF16} for every linear layer not in FP8 yet, in module order, and
+    for every FP8 layer built before conversion decided it (`BUILT_UNDECIDED_ATTR`: decided as the plain layer it
+    stands for). example_input: as convert_to_fp8's; `NoTrace(why)` runs no forward (first / last from the module
+    order).
 
     preview: do not call a filter object for its side effects (a filter with `skip_reason` is asked that instead).
     layer_recipes: as convert_to_fp8's; the last blocks rule reads each layer's own recipe."""
@@ -167,11 +173,14 @@ def plan_conversion(
     candidates: List[str] = []
     routers = experts.router_names(model)
     for fqn, module in model.named_modules():
-        if isinstance(module, FP8Layer):
+        undecided = isinstance(module, FP8Layer) and BUILT_UNDECIDED_ATTR in module.__dict__
+        if isinstance(module, FP8Layer) and not undecided:
             if module.fp8_enabled and kinds.family(module) != experts.EXPERTS_FAMILY:
                 candidates.append(fqn)  # counts for first / last; left as it is
             continue
-        if kinds.linear_kind(module) is None:
+        if undecided:  # built as an FP8 layer: the rules see the plain layer it stands for
+            module = module.to_unconverted()
+        elif kinds.linear_kind(module) is None:
             continue
         if fqn in routers:  # a router's logits stay in high precision whatever the filter says
             decisions[fqn] = experts.ROUTER_REASON
@@ -243,10 +252,10 @@ def revert_fp8(model: nn.Module) -> nn.Module:
     for _, module, _ in list(experts.experts_modules(model)):
         revert_experts(module)
         module.__dict__.pop(SKIP_REASON_ATTR, None)
-    parents = _parent_index(model)
+    parents = transplant.parent_index(model)
     for fqn, module in list(model.named_modules()):
         if isinstance(module, FP8Layer):
-            _replace_everywhere(parents, module, transplant.to_unconverted(module))
+            transplant.replace_everywhere(parents, module, transplant.to_unconverted(module))
         else:
             module.__dict__.pop(SKIP_REASON_ATTR, None)
             module.__dict__.pop(attention.ATTENTION_REASON_ATTR, None)
@@ -464,34 +473,12 @@ def _back_to_plain(model: nn.Module, reasons: Dict[str, str]) -> None:
     recorded as conversion records it."""
     if not reasons:
         return
-    parents = _parent_index(model)
+    parents = transplant.parent_index(model)
     for fqn, reason in reasons.items():
         layer = model.get_submodule(fqn)
         plain = transplant.to_unconverted(layer)
         plain.__dict__[SKIP_REASON_ATTR] = reason
-        _replace_everywhere(parents, layer, plain)
-
-
-def _parent_index(model: nn.Module) -> Dict[int, List[tuple]]:
-    """id(child) -> [(parent, attribute name), ...] over the whole model (shared modules have several)."""
-    index: Dict[int, List[tuple]] = {}
-    seen = set()
-    for _, parent in model.named_modules(remove_duplicate=False):
-        if id(parent) in seen:
-            continue
-        seen.add(id(parent))
-        for name, child in parent._modules.items():
-            if child is not None:
-                index.setdefault(id(child), []).append((parent, name))
-    return index
-
-
-def _replace_everywhere(parents: Dict[int, List[tuple]], old: nn.Module, new: nn.Module) -> None:
-    """Put `new` wherever `old` is registered (a module shared by several parents is replaced in each)."""
-    entries = parents.pop(id(old), [])
-    for parent, name in entries:
-        setattr(parent, name, new)
-    parents[id(new)] = entries
+        transplant.replace_everywhere(parents, layer, plain)
 
 
 __all__ = [
@@ -506,6 +493,8 @@ __all__ = [
     "settle_first_last_from_state",
     "provisional_layers",
     "ExampleCall",
+    "NoTrace",
+    "BUILT_UNDECIDED_ATTR",
     "fp8_layers",
     "is_converted",
 ]

@@ -45,6 +45,13 @@ AUTO = "auto"
 VISION_DEFAULT_SIZE = 224
 
 
+class NoTrace(NamedTuple):
+    """An example input that says no forward may run (a sharded model, whose forward would run collectives): the
+    module order decides, `why` saying so in the reasons."""
+
+    why: str
+
+
 class ExampleCall(NamedTuple):
     """A real call's positional and keyword arguments, as an example input (the adapters' first forward)."""
 
@@ -85,6 +92,8 @@ def layer_order(model: nn.Module, candidates: List[str], example_input: Any = AU
     """Group `candidates` (fully qualified names of layers of `model`, in module order) as described above."""
     if not candidates:
         return LayerOrder([], "module order")
+    if isinstance(example_input, NoTrace):
+        return module_order(model, candidates, example_input.why)
     scopes = _scopes(model, example_input)
     traced: Dict[str, Tuple[List[List[str]], List[str]]] = {}
     failures = []
@@ -402,4 +411,4 @@ def _under(fqn: str, prefix: str) -> bool:
     return not prefix or fqn == prefix or fqn.startswith(prefix + ".")
 
 
-__all__ = ["ExampleCall", "LayerOrder", "layer_order", "module_order", "output_heads", "sibling_groups", "ROLE_FAMILIES", "AUTO"]
+__all__ = ["ExampleCall", "NoTrace", "LayerOrder", "layer_order", "module_order", "output_heads", "sibling_groups", "ROLE_FAMILIES", "AUTO"]

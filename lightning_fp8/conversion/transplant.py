@@ -195,4 +195,28 @@ def _is_property(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(type(module), name, None), property)
 
 
-__all__ = ["replace_with", "to_fp8", "to_unconverted", "parametrization_mismatch", "HOOK_DICTS"]
+def parent_index(model: nn.Module) -> Dict[int, list]:
+    """id(child) -> [(parent, attribute name), ...] over the whole model (a module shared by several parents is found in
+    each): where a replaced layer must be put."""
+    index: Dict[int, list] = {}
+    seen = set()
+    for _, parent in model.named_modules(remove_duplicate=False):
+        if id(parent) in seen:
+            continue
+        seen.add(id(parent))
+        for name, child in parent._modules.items():
+            if child is not None:
+                index.setdefault(id(child), []).append((parent, name))
+    return index
+
+
+def replace_everywhere(parents: Dict[int, list], old: nn.Module, new: nn.Module) -> None:
+    """Put `new` wherever `old` is registered (`parents`: `parent_index`'s, kept up to date)."""
+    entries = parents.pop(id(old), [])
+    for parent, name in entries:
+        setattr(parent, name, new)
+    parents[id(new)] = entries
+
+
+__all__ = ["replace_with", "to_fp8", "to_unconverted", "parametrization_mismatch", "HOOK_DICTS", "parent_index",
+           "replace_everywhere"]

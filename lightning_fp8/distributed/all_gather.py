@@ -59,6 +59,7 @@ from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
 from lightning_fp8.modules.tensor_parallel import is_dtensor
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.scaling import cast_scale
+from lightning_fp8.recipe import PER_TENSOR_SCALINGS
 
 aten = torch.ops.aten
 
@@ -477,7 +478,7 @@ def fp8_all_gather_reason(layer: nn.Module) -> Optional[str]:
 
 def _ineligible_reason(layer: FP8Layer, fqn: str, users: Dict[int, int]) -> Optional[str]:
     weight = layer.weight
-    if layer.recipe.scaling not in ("delayed", "current"):
+    if layer.recipe.scaling not in PER_TENSOR_SCALINGS:
         return (f"recipe scaling {layer.recipe.scaling!r} scales tiles of the weight: FP8 all-gather needs one scale "
                 "per tensor (delayed or current scaling)")
     if layer.fp8_weight() is not weight:
@@ -487,6 +488,16 @@ def _ineligible_reason(layer: FP8Layer, fqn: str, users: Dict[int, int]) -> Opti
     if weight.dim() != 2 or not weight.is_floating_point():
         return f"weight of shape {tuple(weight.shape)} / {weight.dtype} is not a 2-D floating-point matrix"
     return None
+
+
+def explain_high_precision_gather(layer: FP8Layer, fqn: str, users: Dict[int, int]) -> None:
+    """Why a layer built with an FP8 all-gather weight gathers in high precision after all (its weight was replaced
+    after it was built: tied to another module's, or assigned), recorded as `fp8_all_gather_reason` reads it.
+    `users`: how many modules use each Parameter (id -> count)."""
+    if _REASON_ATTR not in layer.__dict__:
+        layer.__dict__[_REASON_ATTR] = (_ineligible_reason(layer, fqn, users)
+                                        or "its weight was replaced after the layer was built (FP8 all-gather is "
+                                           "installed on the weight a layer is built with)")
 
 
 def enable_fp8_all_gather(model: nn.Module) -> Dict[str, Optional[str]]:
@@ -607,4 +618,5 @@ def uses_fp8_all_gather(layer: nn.Module) -> bool:
 
 
 __all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "enable_fp8_all_gather_layer", "disable_fp8_all_gather",
-           "gather_in_high_precision", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes", "uses_fp8_all_gather"]
+           "gather_in_high_precision", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes", "uses_fp8_all_gather",
+           "explain_high_precision_gather"]

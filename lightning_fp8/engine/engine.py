@@ -165,11 +165,6 @@ class FP8TrainingEngine:
         self.scaler.on_change = self.scales.rescale_gradient_history
         self._snapshots.drop()  # another model: the next decision takes a fresh snapshot
 
-    def resync(self) -> None:
-        """Take the layers' overflow counters as the baseline (after attaching, or after loading FP8 state from a
-        checkpoint), so only overflows that happen from now on count against a step."""
-        self.scales.resync()
-
     def track(self, optimizers: Sequence[torch.optim.Optimizer], lr_schedulers: Sequence[Any] = ()) -> None:
         """The framework's complete set of optimizers and LR schedulers for a training run (Lightning's `connect`):
         a fresh run, so the pending iteration and the snapshot of an earlier one are dropped (the last step's weights
@@ -448,7 +443,6 @@ class FP8TrainingEngine:
         self.scales.forget_sizes()  # the restored histories are not the ones the decision read
         self._weights_flag = None  # the restored weights were checked before their snapshot
         self.consecutive_skips = 0
-        self.resync()  # the counters were restored with the model's buffers
         self._event("rollback", reason, [], iteration, restored_to_step=restored_to)
         log.warning(
             "lightning_fp8: rolled back at step %d to the snapshot of step %s (%s); loss scale now %g",

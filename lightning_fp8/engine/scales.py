@@ -40,10 +40,6 @@ class ModelScales:
         self._constants_key: Tuple = ()
         self._constants: Dict[str, torch.Tensor] = {}
 
-    def resync(self) -> None:
-        """Nothing to re-baseline: overflow detection reads the step in progress, not cumulative counters. The
-        engine calls it after loading FP8 state or a rollback."""
-
     # -- per step -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def overflow_flags(self) -> Optional[torch.Tensor]:

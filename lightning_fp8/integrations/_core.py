@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.engine import FP8TrainingEngine
 from lightning_fp8.engine.loss_scaler import LossScaling
 from lightning_fp8.integrations import _rank_zero
-from lightning_fp8.integrations._construction import constructing_fp8_layers, settle_constructed_layers, suspended
+from lightning_fp8.integrations.linear_builder import constructing_fp8_layers, settle_built_layers, suspended
 from lightning_fp8.integrations._distributed import adopt_sharded_module, adopt_tensor_parallel, convert_for_fsdp
 from lightning_fp8.integrations._options import UnsupportedOptions, recipe_choice, resolve_compute_dtype, validate_options
 from lightning_fp8.modules.autocast import current_state, fp8_autocast
@@ -48,7 +48,30 @@ from lightning_fp8.state_format import format_version, stamped
 PLUGIN_STATE_VERSION = 1
 
 
-class FP8PrecisionCore:
+class EngineCounters:
+    """The counters every adapter shows (`skipped_steps`, `rollbacks`, `loss_scale`, in iterations), read from the
+    engine `_counting_engine()` returns (None: nothing counted yet)."""
+
+    def _counting_engine(self) -> Optional[FP8TrainingEngine]:
+        raise NotImplementedError
+
+    @property
+    def skipped_steps(self) -> int:
+        engine = self._counting_engine()
+        return engine.skipped_steps if engine is not None else 0
+
+    @property
+    def rollbacks(self) -> int:
+        engine = self._counting_engine()
+        return engine.rollbacks if engine is not None else 0
+
+    @property
+    def loss_scale(self) -> float:
+        engine = self._counting_engine()
+        return engine.loss_scale if engine is not None else 1.0
+
+
+class FP8PrecisionCore(EngineCounters):
     """Shared behaviour of the FP8 adapters: conversion, the FP8 + autocast context, the engine, checkpoint state.
 
     A framework's plugin is this class plus the framework's Precision base (integrations/fabric.py, lightning.py);
@@ -173,6 +196,9 @@ class FP8PrecisionCore:
         self._first_forward_hooks: Dict[int, Any] = {}
         self._set_up_framework()
 
+    def _counting_engine(self) -> FP8TrainingEngine:
+        return self.engine
+
     def _set_up_framework(self) -> None:
         """Called once at the end of construction: what a framework's plugin must install before the framework uses
         it (the Fabric plugin: its conversion before the parallelize function; the Lightning plugin: a warnings
@@ -187,28 +213,30 @@ class FP8PrecisionCore:
         """Warn on rank 0 (a bare core: warnings.warn; the plugins: Lightning's rank-zero warning)."""
         _rank_zero.rank_zero_warn(message)
 
-    # -- public counters ----------------------------------------------------------------------------------------
-    @property
-    def skipped_steps(self) -> int:
-        return self.engine.skipped_steps
+    # -- optimizer_state="fp8" -----------------------------------------------------------------------------------
+    def to_fp8_optimizer(self, optimizer: Any, lr_schedulers: Sequence[Any]) -> Any:
+        """optimizer_state="fp8": torch Adam / AdamW replaced by FP8AdamW (optimizer_kwargs), the LR schedulers built
+        on it re-pointed and the engine told; an optimizer FP8AdamW cannot replace is kept, with a warning naming why.
+        Returns the optimizer to use."""
+        from lightning_fp8.optim import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
 
-    @property
-    def rollbacks(self) -> int:
-        return self.engine.rollbacks
-
-    @property
-    def loss_scale(self) -> float:
-        return self.engine.loss_scale
+        new = to_fp8_optimizer(optimizer, **self.optimizer_kwargs)
+        if new is None:
+            self._rank_zero_warn(unsupported_optimizer_message(optimizer))
+            return optimizer
+        rebind_lr_schedulers(list(lr_schedulers), optimizer, new)
+        self.engine.replace_optimizer(optimizer, new)
+        return new
 
     # -- conversion and autocast --------------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert in place (some strategies ignore the return value); converting twice is a no-op. Layers built as
         provisional FP8 layers inside `module_init_context` are decided here by the conversion rules
-        (integrations/_construction.py)."""
+        (integrations/linear_builder.py)."""
         if self.options.backend == "transformer_engine":
             return self._convert_module_te(module)
         with suspended():  # the library's own nn.Linear calls build torch's class, inside module_init_context too
-            settle_constructed_layers(self, module)
+            settle_built_layers(self, module)
             if is_fsdp_sharded(module):  # FSDP2: converted before fully_shard (convert_for_fsdp), nothing to replace
                 return adopt_sharded_module(self, module)
             example = self.options.example_input if self.options.example_input is not None else AUTO
@@ -270,7 +298,7 @@ class FP8PrecisionCore:
     def module_init_context(self) -> Iterator[None]:
         """While a model is built under it (Lightning's configure_model, Fabric's init_module), `torch.nn.Linear`
         builds FP8 layers, decided by the conversion rules at the next conversion call
-        (integrations/_construction.py), as Lightning's TransformerEnginePrecision builds te.Linear."""
+        (integrations/linear_builder.py), as Lightning's TransformerEnginePrecision builds te.Linear."""
         framework = getattr(super(), "module_init_context", None)  # the framework's Precision (a bare core: none)
         with (framework() if framework is not None else contextlib.nullcontext()), constructing_fp8_layers(self):
             yield
@@ -400,7 +428,6 @@ class FP8PrecisionCore:
             load_layer_recipe_state(self._module, state_dict["layer_recipes"])
         if meta and self._module is not None:
             load_fp8_state_dict(self._module, meta)
-        self.engine.resync()
 
 
 

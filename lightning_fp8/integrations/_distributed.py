@@ -41,7 +41,7 @@ from lightning_fp8.distributed.comm_hook import FP8CommState, fp8_comm_hook
 from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
 from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
-from lightning_fp8.integrations._construction import suspended
+from lightning_fp8.integrations.linear_builder import suspended
 from lightning_fp8.modules.tensor_parallel import localize_fp8_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +83,7 @@ def prepare_for_sharding(core: "FP8PrecisionCore", module: nn.Module) -> bool:
     both): `convert_for_fsdp(module)`, so the documented patterns (fully_shard and / or a tensor-parallel plan with
     torch's or lightning_fp8's styles in configure_model / parallelize_fn) train in FP8 with FP8 all-gather and no
     extra line. Only for a model not sharded yet that holds linear layers the recipe would convert (a model built
-    inside configure_model does not exist yet: its layers are built as FP8 layers, integrations/_construction.py).
+    inside configure_model does not exist yet: its layers are built as FP8 layers, integrations/linear_builder.py).
     Returns whether it converted. `release_unsharded` afterwards undoes the FP8 all-gather weights where FSDP2 did
     not shard."""
     from lightning_fp8.conversion.convert import is_converted, precision_map

@@ -23,6 +23,7 @@ wrapper.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, ContextManager, Dict, Optional
 
 import torch
@@ -58,7 +59,7 @@ class FP8Precision(FP8PrecisionCore, Precision):
     }
 
     def _set_up_framework(self) -> None:
-        _convert_before_parallelize()  # at construction: before Fabric can set up a model with this plugin
+        _convert_before_parallelize(self)  # at construction: before Fabric can set up a model with this plugin
 
     # the plugins log through Lightning's rank-zero utilities (the loggers Lightning configures; the rank its
     # strategies set), pointing at the same caller as a direct call would (one frame more: stacklevel 5, not 4)
@@ -151,32 +152,48 @@ class FP8Precision(FP8PrecisionCore, Precision):
     # stores and restores the engine state through them (Fabric's Stateful protocol).
 
 
-def _convert_before_parallelize() -> None:
+def _convert_before_parallelize(plugin: "FP8Precision") -> None:
     """Make Fabric's ModelParallelStrategy convert for FSDP2 (FP8 all-gather weights) before the user's
     parallelize_fn, when its precision is an FP8 plugin. Fabric converts a module (`convert_module`) before
     `strategy.setup_module` calls parallelize_fn, but hands the precision plugin neither the strategy nor a call in
-    between, and FP8 all-gather must be installed before fully_shard; so `setup_module` of that one class is wrapped,
-    once per process, and does the extra step only for an FP8 plugin, whatever the mesh (the same rule as the
-    Lightning plugin's configure_model): the parallelize function may apply tensor parallelism with torch's styles
-    or lightning_fp8's, and / or fully_shard. Where it did not fully_shard, the weights are plain again afterwards."""
+    between, and FP8 all-gather must be installed before fully_shard; so `setup_module` of that one class is wrapped
+    while any FP8 plugin exists (installed with the first, removed when the last is garbage-collected), and does the
+    extra step only for an FP8 plugin, whatever the mesh (the same rule as the Lightning plugin's configure_model):
+    the parallelize function may apply tensor parallelism with torch's styles or lightning_fp8's, and / or
+    fully_shard. Where it did not fully_shard, the weights are plain again afterwards."""
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    original = ModelParallelStrategy.setup_module
-    if getattr(original, "_lightning_fp8", False):
-        return
+    if _PATCH["plugins"] == 0:
+        original = ModelParallelStrategy.setup_module
 
-    def setup_module(self, module: Module) -> Module:
-        precision = self.precision
-        if not isinstance(precision, FP8PrecisionCore):
-            return original(self, module)
-        prepare_for_sharding(precision, module)
-        module = original(self, module)
-        release_unsharded(precision, module)
-        return module
+        def setup_module(self, module: Module) -> Module:
+            precision = self.precision
+            if not isinstance(precision, FP8PrecisionCore):
+                return original(self, module)
+            prepare_for_sharding(precision, module)
+            module = original(self, module)
+            release_unsharded(precision, module)
+            return module
 
-    setup_module._lightning_fp8 = True  # type: ignore[attr-defined]
-    setup_module.__wrapped__ = original  # type: ignore[attr-defined]
-    ModelParallelStrategy.setup_module = setup_module
+        setup_module.__wrapped__ = original  # type: ignore[attr-defined]
+        ModelParallelStrategy.setup_module = setup_module
+        _PATCH["original"] = original
+    _PATCH["plugins"] += 1
+    weakref.finalize(plugin, _release_parallelize_conversion)
+
+
+#: the ModelParallelStrategy.setup_module wrapper: how many FP8 plugins use it, and the method it wraps
+_PATCH: Dict[str, Any] = {"plugins": 0, "original": None}
+
+
+def _release_parallelize_conversion() -> None:
+    """One FP8 plugin fewer; after the last, ModelParallelStrategy.setup_module is Fabric's own again."""
+    _PATCH["plugins"] -= 1
+    if _PATCH["plugins"] == 0 and _PATCH["original"] is not None:
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        ModelParallelStrategy.setup_module = _PATCH["original"]
+        _PATCH["original"] = None
 
 
 def load_checkpoint(fabric: Any, path: Any, state: Dict[str, Any], **kwargs: Any) -> Dict[str, Any]:

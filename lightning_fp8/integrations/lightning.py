@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.integrations._core import FP8PrecisionCore
-from lightning_fp8.integrations._construction import set_fp8_all_gather
+from lightning_fp8.integrations.linear_builder import set_fp8_all_gather
 from lightning_fp8.integrations._distributed import (
     prepare_for_sharding,
     register_gradient_communication,
@@ -74,7 +74,7 @@ class FP8Precision(Precision, FabricFP8Precision):
         - `torch.nn.Linear` builds FP8 layers (FP8PrecisionCore.module_init_context, as Lightning's
           TransformerEnginePrecision builds te.Linear): a model built *inside* configure_model and sharded there is
           in FP8, with FP8 all-gather weights under ModelParallelStrategy, and the conversion rules decide its layers
-          at the strategy's conversion after the hook (integrations/_construction.py);
+          at the strategy's conversion after the hook (integrations/linear_builder.py);
         - under ModelParallelStrategy (FSDP2, tensor parallelism, both) the model the LightningModule holds already
           (built in __init__, on the meta device under `trainer.init_module(empty_init=True)`) is converted with FP8
           all-gather weights right before the hook runs, so the user's fully_shard and tensor-parallel plan (torch's
@@ -142,42 +142,24 @@ class FP8Precision(Precision, FabricFP8Precision):
             self._log_counters(self._module)
 
     @contextlib.contextmanager
-    def val_step_context(self) -> Iterator[None]:
-        self.engine.settle()  # evaluate checked weights (a read at the first batch after training, none after)
-        with self._fp8_context(self.fp8_eval):
-            yield
-
-    @contextlib.contextmanager
-    def test_step_context(self) -> Iterator[None]:
+    def _evaluation_step_context(self) -> Iterator[None]:
+        """Around every validation, test and predict step: the weights evaluated are checked ones (a read at the
+        first batch after training, none after), FP8 as fp8_eval says."""
         self.engine.settle()
         with self._fp8_context(self.fp8_eval):
             yield
 
-    @contextlib.contextmanager
-    def predict_step_context(self) -> Iterator[None]:
-        self.engine.settle()
-        with self._fp8_context(self.fp8_eval):
-            yield
+    val_step_context = test_step_context = predict_step_context = _evaluation_step_context
 
     # -- optimizers ---------------------------------------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]) -> Tuple[nn.Module, List[Optimizer], List[Any]]:
         register_gradient_communication(self, model)  # "fp8": DDP's comm hook / FSDP2's reduce-scatter
         if self.optimizer_state == "fp8":
-            optimizers = [self._to_fp8_optimizer(opt, lr_schedulers) for opt in optimizers]
+            schedulers = [config.scheduler for config in lr_schedulers]
+            optimizers = [self.to_fp8_optimizer(opt, schedulers) for opt in optimizers]
         # every optimizer and LR scheduler of the run: one iteration steps them all, a rollback restores them all
         self.engine.track(optimizers, [config.scheduler for config in lr_schedulers])
         return model, optimizers, lr_schedulers
-
-    def _to_fp8_optimizer(self, optimizer: Optimizer, lr_scheduler_configs: List[Any]) -> Optimizer:
-        from lightning_fp8.optim import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
-
-        new = to_fp8_optimizer(optimizer, **self.optimizer_kwargs)
-        if new is None:
-            self._rank_zero_warn(unsupported_optimizer_message(optimizer))
-            return optimizer
-        rebind_lr_schedulers([config.scheduler for config in lr_scheduler_configs], optimizer, new)
-        self.engine.replace_optimizer(optimizer, new)
-        return new
 
     # -- backward and step --------------------------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:

@@ -28,14 +28,13 @@ from lightning_fp8.modules.conv_layout import ConvGeometry, is_channels_last
 from lightning_fp8.modules.fp8_meta import ROLE_INDEX
 from lightning_fp8.modules.function import GemmConfig
 from lightning_fp8.modules.linear import FP8Layer, _output_dtype
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
 
 Tensor = torch.Tensor
 
 #: the scalings FP8 convolutions have a path for. Per-tensor ones cast x once and unfold the FP8 bytes
 #: (conv_function.per_tensor_conv); tiled ones scale windows of the unfolded input, so they unfold first
 #: (conv_function.fine_grained_conv). A scaling FP8Recipe gains later has no convolution path until one is added here.
-PER_TENSOR_SCALINGS = ("delayed", "current")
 TILED_SCALINGS = ("rowwise", "blockwise")
 CONV_SCALINGS = PER_TENSOR_SCALINGS + TILED_SCALINGS
 
@@ -163,4 +162,4 @@ class FP8Conv2d(FP8ConvNd, nn.Conv2d):
     unconverted_class = nn.Conv2d
 
 
-__all__ = ["FP8ConvNd", "FP8Conv1d", "FP8Conv2d", "CONV_SCALINGS", "PER_TENSOR_SCALINGS", "TILED_SCALINGS"]
+__all__ = ["FP8ConvNd", "FP8Conv1d", "FP8Conv2d", "CONV_SCALINGS", "TILED_SCALINGS"]

@@ -21,7 +21,6 @@ from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, report_res
 from lightning_fp8.modules.function import GemmConfig, linear_gemms
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.modules.precast import (
-    PER_TENSOR_SCALINGS,
     PrecastFP8Input,
     PrecastFP8Weight,
     observed_weight,
@@ -29,7 +28,7 @@ from lightning_fp8.modules.precast import (
 )
 from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
 from lightning_fp8.numerics.quantize import tensor_amax
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -282,11 +281,24 @@ class FP8Linear(FP8Layer, nn.Linear):
         return new
 
     def to_unconverted(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = self.weight
-        linear.bias = self.bias
-        linear.train(self.training)
-        return linear
+        return linear_shell(self.in_features, self.out_features, self.weight, self.bias, self.training)
+
+
+def linear_shell(in_features: int, out_features: int, weight: nn.Parameter, bias: Optional[nn.Parameter],
+                 training: bool) -> nn.Linear:
+    """torch's nn.Linear over these Parameters (nothing allocated, nothing initialised): a converted layer given back
+    its class, or a provisional one standing for a plain layer."""
+    linear = nn.Linear.__new__(_TORCH_LINEAR)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.weight = weight
+    linear.bias = bias
+    linear.train(training)
+    return linear
+
+
+#: torch's class, whatever `torch.nn.Linear` names at a call (integrations/linear_builder.py replaces it for a while)
+_TORCH_LINEAR = nn.Linear
 
 
 def casts_input_per_tensor(layer: nn.Module) -> bool:

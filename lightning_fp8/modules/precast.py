@@ -33,13 +33,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from lightning_fp8.modules.cast import scaling_mode
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
-
-#: per-tensor scalings: one scale for the whole weight, which every rank can agree on before the all-gather
-PER_TENSOR_SCALINGS = ("delayed", "current")
 
 #: the ops that only view the data (FSDP2 builds the unsharded parameter with as_strided and detach)
 _VIEW_OPS = {aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default, aten._unsafe_view.default}
@@ -213,4 +210,4 @@ def observed_weight(tensor: Tensor) -> Tensor:
 
 
 __all__ = ["PrecastFP8Tensor", "PrecastFP8Weight", "PrecastFP8Input", "CastKey", "HighPrecisionSource",
-           "PER_TENSOR_SCALINGS", "resolve_precast", "observed_weight"]
+           "resolve_precast", "observed_weight"]

@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
-from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations._core import EngineCounters, FP8PrecisionCore
 from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
 from lightning_fp8.integrations.accelerate import fp8_config, plain, precision_source
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState
@@ -61,7 +61,7 @@ _SHARED_STATE_FLAG = "_lightning_fp8"
 _ACCELERATE_FP8_HANDLERS = plain.ACCELERATE_FP8_HANDLERS
 
 
-class FP8AcceleratorMixin:
+class FP8AcceleratorMixin(EngineCounters):
     """Makes an `accelerate.Accelerator` (sub)class run `mixed_precision="fp8"` on lightning_fp8's engine.
 
     Use `FP8Accelerator`, or put the mixin first in your own class: `class MyAccelerator(FP8AcceleratorMixin,
@@ -192,17 +192,8 @@ class FP8AcceleratorMixin:
     def fp8_engine(self) -> Optional[FP8TrainingEngine]:
         return self._fp8_core.engine if self._fp8_core is not None else None
 
-    @property
-    def skipped_steps(self) -> int:
-        return self._fp8_core.skipped_steps if self._fp8_core is not None else 0
-
-    @property
-    def rollbacks(self) -> int:
-        return self._fp8_core.rollbacks if self._fp8_core is not None else 0
-
-    @property
-    def loss_scale(self) -> float:
-        return self._fp8_core.loss_scale if self._fp8_core is not None else 1.0
+    def _counting_engine(self) -> Optional[FP8TrainingEngine]:  # skipped_steps, rollbacks, loss_scale
+        return self.fp8_engine
 
     def fp8_metrics(self) -> Dict[str, float]:
         """fp8/skipped_steps, fp8/rollbacks, fp8/loss_scale, for `accelerator.log(...)`; {} without FP8."""
@@ -224,18 +215,7 @@ class FP8AcceleratorMixin:
             # an inference-only model (a teacher, a reference model): compute dtype, no FP8 state to train
             wrap_forward(model, lambda training: core._fp8_context(False))
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if self._fp8_model is not None and model is not self._fp8_model:
-            raise NotImplementedError(
-                f"{type(self).__name__}(mixed_precision='fp8') trains one model in FP8 per accelerator (one engine, "
-                "one set of scales). Prepare other models with prepare_model(model, evaluation_mode=True)."
-            )
-        # In place: FP8Linear reuses each nn.Linear's Parameters, so an optimizer built on model.parameters() before
-        # prepare() keeps updating the live weights. (Only a bare nn.Linear comes back as a new module.)
-        model = core.convert_module(model)
-        self._fp8_model = model
-        fp8_eval = core.fp8_eval
-        # a training forward starts an iteration (the engine closes the previous one before amaxes are recorded)
-        wrap_forward(model, lambda training: core._model_forward_context(training, training or fp8_eval))
+        model = self._fp8_trained_model(model, fsdp2=False)
         return self._fp8_communicate(super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode))
 
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None):
@@ -254,14 +234,24 @@ class FP8AcceleratorMixin:
         return result
 
     def _fp8_prepare_fsdp2_model(self, model: nn.Module) -> nn.Module:
-        """prepare_model's FP8 part on Accelerate's FSDP2 path: conversion and FP8 all-gather weights before
-        Accelerate's fully_shard, the forward inside the FP8 context (keep in step with prepare_model)."""
-        core = self._fp8_core
+        """Accelerate's FSDP2 path (which never calls prepare_model): the model converted with FP8 all-gather weights
+        before Accelerate's fully_shard."""
         if getattr(model, "_is_accelerate_prepared", False):
             return model
+        return self._fp8_trained_model(model, fsdp2=True)
+
+    def _fp8_trained_model(self, model: nn.Module, fsdp2: bool) -> nn.Module:
+        """The model this accelerator trains in FP8: converted in place (FP8Linear reuses each nn.Linear's Parameters,
+        so an optimizer built before prepare() keeps updating the live weights; only a bare nn.Linear comes back as a
+        new module), with FP8 all-gather weights under FSDP2, its forward inside the FP8 context (a training forward
+        starts an iteration: the engine closes the previous one before amaxes are recorded)."""
+        core = self._fp8_core
         if self._fp8_model is not None and model is not self._fp8_model:
-            raise NotImplementedError(f"{type(self).__name__}(mixed_precision='fp8') trains one model in FP8 per accelerator.")
-        model = convert_for_fsdp(core, model)
+            raise NotImplementedError(
+                f"{type(self).__name__}(mixed_precision='fp8') trains one model in FP8 per accelerator (one engine, "
+                "one set of scales). Prepare other models with prepare_model(model, evaluation_mode=True)."
+            )
+        model = convert_for_fsdp(core, model) if fsdp2 else core.convert_module(model)
         self._fp8_model = model
         fp8_eval = core.fp8_eval
         wrap_forward(model, lambda training: core._model_forward_context(training, training or fp8_eval))
@@ -287,17 +277,11 @@ class FP8AcceleratorMixin:
         return prepared
 
     def _to_fp8_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from lightning_fp8.optim import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
-
-        new = to_fp8_optimizer(optimizer, **self._fp8_core.optimizer_kwargs)
-        if new is None:
-            warnings.warn(unsupported_optimizer_message(optimizer), UserWarning, stacklevel=3)
-            return optimizer
-        # schedulers are usually built on the user's optimizer before prepare(): re-point those prepared already
-        # here, and the rest when they reach prepare_scheduler
-        self._fp8_swapped_optimizers.append((optimizer, new))
-        rebind_lr_schedulers([s.scheduler for s in self._schedulers], optimizer, new)
-        self._fp8_core.engine.replace_optimizer(optimizer, new)
+        # schedulers are usually built on the user's optimizer before prepare(): those prepared already are
+        # re-pointed here, the rest when they reach prepare_scheduler
+        new = self._fp8_core.to_fp8_optimizer(optimizer, [s.scheduler for s in self._schedulers])
+        if new is not optimizer:
+            self._fp8_swapped_optimizers.append((optimizer, new))
         return new
 
     def prepare_scheduler(self, scheduler):
