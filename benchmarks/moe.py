@@ -1,7 +1,7 @@
 """Mixture-of-experts in FP8: the grouped GEMMs' accuracy, a Qwen3-30B-A3B MoE layer step's kernels and the roofline
 model's prediction for it, and a small Mixtral trained in FP8 beside bf16-mixed.
 
-    python benchmarks/moe.py [--seeds 0 1 2] [--steps 300] [--out benchmarks/results/moe]
+    python benchmarks/moe.py [--seeds 0 1 2] [--steps 200] [--out benchmarks/results/moe]
 
 1. SQNR (CPU): the three grouped GEMMs of an experts projection (forward, input gradient, weight gradient) against
    float32, with 16 experts routed unevenly (one empty), and the same data through one dense rowwise FP8 layer per
@@ -12,8 +12,8 @@ model's prediction for it, and a small Mixtral trained in FP8 beside bf16-mixed.
    layer runs with FP8 off; seconds per step priced by lightning_fp8/conversion/roofline.py on H100 SXM and B200
    (B200 with the sm90 kernel structure: torch runs the grouped FP8 kernel on sm100 from 2.14, modules/scaled_mm.py).
    The routing (sort, gathers, the weighted sum) is the same in both and left out.
-3. Training (CPU): a Mixtral of 4 layers, hidden 128, 8 experts, top-2, expert intermediate 128, on the text of
-   CPython's standard library (the demo's corpus, characters), batch 16 x 64, AdamW lr 3e-3 with 20 warmup steps and
+3. Training (CPU): a Mixtral of 2 layers, hidden 64, 4 experts, top-2, expert intermediate 64, on the text of
+   CPython's standard library (the demo's corpus, characters), batch 8 x 64, AdamW lr 3e-3 with 20 warmup steps and
    cosine decay to zero, under a real Lightning Trainer: FP8Precision() vs precision="bf16-mixed", the same
    initialisation and data order per seed; validation loss in eval mode on a fixed held-out set (docs/measuring.md).
 """
@@ -165,10 +165,10 @@ def training(seeds, steps: int) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     corpus = load_corpus(max_chars=2_000_000)
     vocab = -(-corpus.vocab_size // 16) * 16
-    config = transformers.MixtralConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=128, num_local_experts=8,
+    config = transformers.MixtralConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
                                         num_experts_per_tok=2, max_position_embeddings=64)
-    val = fixed_val_batches(corpus.val, 16, 64, 8)
+    val = fixed_val_batches(corpus.val, 8, 64, 8)
 
     class Module(L.LightningModule):
         def __init__(self, seed):
@@ -203,7 +203,7 @@ def training(seeds, steps: int) -> dict:
 
     runs = {}
     for seed in seeds:
-        data = list(batches(corpus.train, 16, 64, steps, seed))
+        data = list(batches(corpus.train, 8, 64, steps, seed))
         for variant in ("bf16-mixed", "fp8"):
             module = Module(seed)
             kwargs = dict(plugins=[FP8Precision()]) if variant == "fp8" else dict(precision="bf16-mixed")
@@ -223,7 +223,7 @@ def training(seeds, steps: int) -> dict:
     gaps = [f["val_loss"] - b["val_loss"] for f, b in zip(runs["fp8"], runs["bf16-mixed"])]
     summary["paired_gap"] = {"mean": statistics.mean(gaps), "sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
                              "relative": statistics.mean(gaps) / summary["bf16-mixed"]["mean"]}
-    return {"config": {"hidden": 128, "layers": 4, "experts": 8, "top_k": 2, "steps": steps, "batch": [16, 64],
+    return {"config": {"hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "steps": steps, "batch": [8, 64],
                        "lr": 3e-3, "schedule": "20 warmup, cosine to 0"}, "runs": runs, "summary": summary}
 
 
@@ -293,7 +293,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "moe"))
     args = parser.parse_args()
