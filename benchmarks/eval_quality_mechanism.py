@@ -308,6 +308,16 @@ def _mean(v: List[float]) -> float:
     return statistics.mean(v) if v else float("nan")
 
 
+def _pearson(a: List[float], b: List[float]) -> float:
+    if len(a) < 3:
+        return float("nan")
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((y - mb) ** 2 for y in b)
+    return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
+
+
 def _ci(v: List[float]) -> str:
     v = [x for x in v if math.isfinite(x)]
     if len(v) < 2:
@@ -378,6 +388,24 @@ def report(runs: List[dict], out: str, machine: dict) -> str:
         worst = [max((_mean([b["mean_shift"] for b in p["bn"].values()]) for p in r["probes"] if p["step"] >= 22),
                      default=float("nan")) for r in by[v]]
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {_mean(worst):.3f} |")
+    lines += ["", "Does the lag explain the eval-mode dips? Over the probes from step 44 on (epochs 3-5, accuracy on its "
+              "plateau), per run: Pearson correlation "
+              "of the eval-mode test accuracy with log(mean shift); and at the run's worst eval-mode probe, its mean "
+              "shift relative to the run's median (mean over seeds):", "",
+              "| variant | correlation (mean over seeds) | per seed | worst probe's shift / median shift |",
+              "|---|---|---|---|"]
+    for v in variants:
+        rs, ratios = [], []
+        for r in by[v]:
+            ps = [p for p in r["probes"] if p["step"] >= 44]
+            acc = [p["eval_acc"] for p in ps]
+            shift = [math.log(_mean([b["mean_shift"] for b in p["bn"].values()])) for p in ps]
+            rs.append(_pearson(acc, shift))
+            worst = min(range(len(ps)), key=lambda i: acc[i])
+            ratios.append(math.exp(shift[worst]) / statistics.median(math.exp(x) for x in shift))
+        summary[v]["acc_vs_log_shift_r"] = rs
+        summary[v]["worst_probe_shift_ratio"] = ratios
+        lines.append(f"| {v} | {_mean(rs):+.2f} | {', '.join(f'{x:+.2f}' for x in rs)} | {_mean(ratios):.1f} |")
     if "bf16" in by:
         lines += ["", "Per BN layer, steps 22-109, mean shift (variant / bf16):", "",
                   "| BN layer | bf16 | " + " | ".join(v for v in variants if v != "bf16") + " |",
