@@ -21,7 +21,8 @@ After the fit, on the 360 test images, it records:
   the training data (momentum=None, what torch.optim.swa_utils.update_bn does), then eval mode;
 and after every epoch the eval-mode test accuracy (the FP8 layers evaluate without touching their state).
 
-Variants (`VARIANTS`): bf16; fp8-default (FP8Recipe()); fp8-current (scaling="current"); fp8-hp-wgrad
+Variants (`VARIANTS`): bf16; bf16-eps (bf16 with AdamW eps 1.1e-8 instead of 1e-8: a perturbation that changes
+nothing in expectation, the control for how far any small change moves a run); fp8-default (FP8Recipe()); fp8-current (scaling="current"); fp8-hp-wgrad
 (FP8Recipe(weight_grad="high_precision"): the library's FP8 convolutions have no high-precision weight-gradient path,
 so this recipe converts no convolution, which the run records); fp8-wgrad-bf16-emulated (the default recipe, with the
 weight gradient of every FP8 convolution taken from a BF16 convolution of the same input instead of the FP8 GEMM: the
@@ -58,8 +59,11 @@ sys.path.insert(0, ROOT)
 
 warnings.simplefilter("ignore")
 
-VARIANTS = ("bf16", "fp8-default", "fp8-current", "fp8-hp-wgrad", "fp8-wgrad-bf16-emulated", "fp8-stochastic",
-            "fp8-e4m3", "fp8-fwd-only")
+VARIANTS = ("bf16", "bf16-eps", "fp8-default", "fp8-current", "fp8-hp-wgrad", "fp8-wgrad-bf16-emulated",
+            "fp8-stochastic", "fp8-e4m3", "fp8-fwd-only")
+#: AdamW's eps of every variant but bf16-eps, and bf16-eps's: a perturbation of the bf16 run that changes nothing
+#: about its numerics in expectation, the control for how far any small change moves a run (docs/measuring.md)
+ADAMW_EPS, PERTURBED_EPS = 1e-8, 1.1e-8
 MODELS = ("resnet", "vit")
 SCHEDULES = ("constant", "cosine")
 
@@ -175,6 +179,10 @@ def make_module(args, seed: int, variant: str):
             if variant in ("fp8-wgrad-bf16-emulated", "fp8-fwd-only"):
                 self.emulated_layers = emulate_bf16_weight_grad(self.model, forward_too=variant == "fp8-fwd-only")
 
+        def validation_step(self, batch, batch_idx):  # only with --lightning-val
+            x, y = batch
+            self.log("val_acc", (self(x).float().argmax(-1) == y).float().mean())
+
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = F.cross_entropy(self(x).float(), y)
@@ -182,7 +190,8 @@ def make_module(args, seed: int, variant: str):
             return loss
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+            eps = PERTURBED_EPS if variant == "bf16-eps" else ADAMW_EPS
+            opt = torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=eps)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.schedule, self.total_steps, args.warmup))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -298,9 +307,10 @@ def train_once(args, variant: str, seed: int, train, test) -> dict:
     precision = {"precision": "bf16-mixed"} if recipe is None else {"plugins": [FP8Precision(recipe=recipe)]}
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[EpochEval()], deterministic=False, **precision)
+                        num_sanity_val_steps=0, callbacks=[EpochEval()], deterministic=False,
+                        limit_val_batches=1.0 if args.lightning_val else 0, **precision)
     start = time.perf_counter()
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, DataLoader(test, batch_size=72) if args.lightning_val else None)
     train_s = time.perf_counter() - start
     rows = precision_map(module) if recipe is not None else []
     fp8_layers = sum(r.precision == "fp8" for r in rows)
@@ -347,7 +357,8 @@ def machine() -> dict:
 def config_of(args) -> dict:
     return {k: getattr(args, k) for k in ("model", "schedule", "epochs", "batch_size", "lr", "weight_decay",
                                           "warmup", "image_size")} | (
-        {"patch_size": args.patch_size} if args.model == "vit" else {})
+        {"patch_size": args.patch_size} if args.model == "vit" else {}) | (
+        {"lightning_val": True} if args.lightning_val else {})
 
 
 def load_runs(paths: List[str]) -> List[dict]:
@@ -381,6 +392,18 @@ def mean_ci(values: List[float]) -> Dict[str, float]:
     half = t975(n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half, "median": statistics.median(values),
             "min": min(values), "max": max(values)}
+
+
+def pearson(a: List[float], b: List[float]) -> float:
+    """Correlation over seeds of two variants' results: how much a shared seed (initialisation, data order) still
+    ties the two runs together at the end."""
+    if len(a) < 3:
+        return float("nan")
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((y - mb) ** 2 for y in b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
 
 
 def sign_test_p(diffs: List[float]) -> float:
@@ -417,14 +440,19 @@ METRICS = (("eval_acc", "eval-mode acc %", 100.0), ("batchstat_acc", "batch-stat
 SHOWN = METRICS[:6]
 
 
+def group_of(run: dict) -> str:
+    """The table a run belongs to: model/schedule, and /lightning-val for runs with Lightning's validation loop."""
+    return f"{run['model']}/{run['schedule']}" + ("/lightning-val" if run["config"].get("lightning_val") else "")
+
+
 def summarize(runs: List[dict]) -> dict:
-    groups: Dict[tuple, Dict[str, Dict[int, dict]]] = {}
+    groups: Dict[str, Dict[str, Dict[int, dict]]] = {}
     for r in runs:
         if "reestimated_acc" in r:
             r["bn_penalty"] = r["reestimated_acc"] - r["eval_acc"]
-        groups.setdefault((r["model"], r["schedule"]), {}).setdefault(r["variant"], {})[r["seed"]] = r
+        groups.setdefault(group_of(r), {}).setdefault(r["variant"], {})[r["seed"]] = r
     out = {}
-    for (model, schedule), by_variant in sorted(groups.items()):
+    for group, by_variant in sorted(groups.items()):
         base = by_variant.get("bf16", {})
         table = {}
         for variant in [v for v in VARIANTS if v in by_variant]:
@@ -442,7 +470,9 @@ def summarize(runs: List[dict]) -> dict:
                 shared = [s for s in rs if s in base and key in base[s]]
                 if variant != "bf16" and len(shared) > 1:
                     diffs = [factor * (rs[s][key] - base[s][key]) for s in shared]
-                    row[key + "_paired_vs_bf16"] = {**mean_ci(diffs), "sign_test_p": sign_test_p(diffs)}
+                    row[key + "_paired_vs_bf16"] = {**mean_ci(diffs), "sign_test_p": sign_test_p(diffs),
+                                                    "seed_correlation": pearson([base[s][key] for s in shared],
+                                                                                [rs[s][key] for s in shared])}
                     row[key + "_spread_vs_bf16"] = levene_p_approx([factor * base[s][key] for s in shared],
                                                                    [factor * rs[s][key] for s in shared])
             epochs = [r["epochs"] for r in rs.values() if r.get("epochs")]
@@ -454,7 +484,7 @@ def summarize(runs: List[dict]) -> dict:
                 row["snapshots_second_half"] = {"n": len(snaps), "below_90": sum(s < 90 for s in snaps),
                                                 "below_80": sum(s < 80 for s in snaps), **mean_ci(snaps)}
             table[variant] = row
-        out[f"{model}/{schedule}"] = table
+        out[group] = table
     return out
 
 
@@ -483,24 +513,24 @@ def markdown(runs: List[dict], summary: dict, machine_info: dict) -> str:
                 fp8 += f" ({','.join(map(str, row['emulated_layers']))} with BF16 dW)"
             lines.append(f"| {variant} | {len(row['seeds'])} | {fp8} | " + " | ".join(cells) + " |")
         lines += ["", "Paired differences vs bf16 (variant minus bf16, per seed):", "",
-                  "| variant | metric | mean diff | sd | 95% CI | sign p | wins/losses | spread (MAD bf16 -> var) | spread p |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        base = {r["seed"]: r for r in runs if (r["model"], r["schedule"]) == tuple(group.split("/"))
-                and r["variant"] == "bf16"}
+                  "| variant | metric | mean diff | sd | 95% CI | sign p | wins/losses | spread (MAD bf16 -> var) | spread p "
+                  "| seed correlation with bf16 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        base = {r["seed"]: r for r in runs if group_of(r) == group and r["variant"] == "bf16"}
         for variant, row in table.items():
             for key, label, factor in SHOWN:
                 p = row.get(key + "_paired_vs_bf16")
                 if not p:
                     continue
                 s = row[key + "_spread_vs_bf16"]
-                rs = [r for r in runs if (r["model"], r["schedule"]) == tuple(group.split("/"))
-                      and r["variant"] == variant and r["seed"] in base]
+                rs = [r for r in runs if group_of(r) == group and r["variant"] == variant and r["seed"] in base]
                 wins = sum(factor * (r[key] - base[r["seed"]][key]) > 0 for r in rs)
                 losses = sum(factor * (r[key] - base[r["seed"]][key]) < 0 for r in rs)
                 d = 4 if key == "eval_loss" else 2
                 lines.append(f"| {variant} | {label} | {p['mean']:+.{d}f} | {p['sd']:.{d}f} | {p['lo']:+.{d}f} to "
                              f"{p['hi']:+.{d}f} | {p['sign_test_p']:.3f} | {wins}/{losses} | "
-                             f"{s['mean_abs_dev_a']:.{d}f} -> {s['mean_abs_dev_b']:.{d}f} | {s['p_normal_approx']:.3f} |")
+                             f"{s['mean_abs_dev_a']:.{d}f} -> {s['mean_abs_dev_b']:.{d}f} | {s['p_normal_approx']:.3f} | "
+                             f"{p['seed_correlation']:+.2f} |")
         n_epochs = min((len(row["per_epoch_eval_acc"]) for row in table.values() if "per_epoch_eval_acc" in row),
                        default=0)
         lines += ["", "Eval-mode accuracy at the end of each epoch (mean over seeds; the epoch-end snapshots of the second half "
@@ -516,7 +546,7 @@ def markdown(runs: List[dict], summary: dict, machine_info: dict) -> str:
         lines += ["", "Per seed, eval-mode accuracy (batch-statistics accuracy, re-estimated-BN accuracy):", "",
                   "| seed | " + " | ".join(table) + " |", "|---|" + "---|" * len(table)]
         seeds = sorted({s for row in table.values() for s in row["seeds"]})
-        by = {(r["variant"], r["seed"]): r for r in runs if (r["model"], r["schedule"]) == tuple(group.split("/"))}
+        by = {(r["variant"], r["seed"]): r for r in runs if group_of(r) == group}
         for seed in seeds:
             cells = []
             for variant in table:
@@ -549,6 +579,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--patch-size", type=int, default=4, help="ViT patch size")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lightning-val", action="store_true",
+                   help="also run Lightning's validation loop on the test images after every epoch (as "
+                        "examples/resnet_digits.py does), to check it leaves training unchanged")
     p.add_argument("--out", default="benchmarks/results/eval_quality_runs.jsonl")
     p.add_argument("--report", nargs="+", help="JSON-lines files to summarise (no training)")
     p.add_argument("--report-out", default="benchmarks/results/eval_quality_tables")
