@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fp8 import convert_to_fp8
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.demo.gpt import GPT, GPTConfig
-from lightning_fp8.integrations._core import exclude_fp8_meta_from_ddp_broadcast
+from lightning_fp8.integrations.plugin_core import exclude_fp8_meta_from_ddp_broadcast
 from lightning_fp8.distributed import (CommBytes, FP8CommState, bf16_comm_hook, enable_fp8_all_gather, enable_fp8_reduce_scatter,
                                        fp8_comm_hook)
 from lightning_fp8.modules.autocast import fp8_autocast

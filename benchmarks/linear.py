@@ -181,7 +181,7 @@ def bench_cast(m, k, device, timer, rotate):
     """The input cast alone (amax + scale + cast + transpose): fused kernel vs torch reference, effective GB/s
     counting the bytes each must move at least (read bf16 once, write fp8 twice)."""
     from lightning_fp8.modules.cast import PerTensorCaster
-    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LinearMeta
 
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(rotate)]
     recipe = FP8Recipe()

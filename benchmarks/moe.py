@@ -44,7 +44,7 @@ from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 # -- 1. SQNR ------------------------------------------------------------------------------------------------------------
 def sqnr() -> dict:
     from lightning_fp8.modules.cast import caster_for
-    from lightning_fp8.modules.function import GemmConfig, linear_gemms
+    from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 
     recipe = FP8Recipe(format="e4m3", scaling="rowwise")
     g = torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def layer_kernels() -> dict:
     from lightning_fp8.conversion.shape_filter import GPU_SPECS
     from lightning_fp8.kernels.device import simulate_cuda
     from lightning_fp8.kernels.trace import record_launches
-    from lightning_fp8.modules.experts import ExpertsLayout, FP8GroupedLinear, Projection, grouped_recipe
+    from lightning_fp8.modules.grouped_linear import ExpertsLayout, FP8GroupedLinear, Projection, grouped_recipe
 
     s = QWEN3_30B_A3B
     e, h, i, rows = s["experts"], s["hidden"], s["intermediate"], s["tokens"] * s["top_k"]

@@ -19,7 +19,7 @@ Variants:
   bf16params_nearest        ablation: the same bf16 model updated with round-to-nearest (what
                             torch.optim.AdamW does to bf16 parameters); shows what stochastic rounding buys
   ablation_fp8_sqrtv_nearest  ablation: fp8_sqrtv with sqrt(v) rounded to nearest instead of stochastically
-                            (lightning_fp8.optim.state.FP8_SQRT_V_ROUNDING, not an FP8AdamW option)
+                            (lightning_fp8.optim.moment_storage.FP8_SQRT_V_ROUNDING, not an FP8AdamW option)
   ablation_adamw_lr_x0.9    ablation: torch AdamW with 0.9x the LR, to compare with an optimizer whose update
                             denominator is biased ~10% high (fp8_sqrtv)
 
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_fp8.optim import FP8AdamW, state_bytes_per_param
-from lightning_fp8.optim import state as opt_state
+from lightning_fp8.optim import moment_storage as opt_state
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -280,7 +280,7 @@ def v_tracking(steps: int = 3000, block: int = 128) -> Dict:
     show why: bf16 and sqrt(v) in E4M3, both with round-to-nearest."""
     from lightning_fp8.optim.blockwise import dequantize_blockwise, quantize_blockwise
     from lightning_fp8.optim.rounding import seeded_generator
-    from lightning_fp8.optim.state import read_moments, write_moments
+    from lightning_fp8.optim.moment_storage import read_moments, write_moments
 
     shape = (32, block)
 

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8  # noqa: E402
-from lightning_fp8.engine.scales import ModelScales  # noqa: E402
+from lightning_fp8.engine.step_closer import ModelScales  # noqa: E402
 from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 
 warnings.simplefilter("ignore")

@@ -6,7 +6,7 @@ Without triton (or without CUDA) every op runs its torch twin, defined by `light
 Switches (environment variables, read at call time):
   LIGHTNING_FP8_DISABLE_TRITON=1   never use the Triton kernels (the torch reference everywhere)
   LIGHTNING_FP8_SOFT_CAST=1        use the kernels' exact integer FP8 rounding instead of the hardware cvt
-  LIGHTNING_FP8_CPU_REFERENCE=1    run the torch reference on CPU instead of the CPU twins (kernels/cpu.py)
+  LIGHTNING_FP8_CPU_REFERENCE=1    run the torch reference on CPU instead of the CPU twins (kernels/cpu_kernels.py)
   LIGHTNING_FP8_TRITON_RAND=1      stochastic rounding draws its noise inside the kernel (tl.rand) instead of
                                    reading a torch.rand tensor: saves 8 bytes/element, not bit-identical to the
                                    reference path
@@ -75,7 +75,7 @@ def fused_cast_enabled_for(x: torch.Tensor) -> bool:
 
 
 def cpu_twins_enabled_for(x: torch.Tensor) -> bool:
-    """Whether the ops run `x` through the CPU twins of kernels/cpu.py (a real CPU, not forced to the reference, not
+    """Whether the ops run `x` through the CPU twins of kernels/cpu_kernels.py (a real CPU, not forced to the reference, not
     taking a simulated CUDA machine's paths: CUDA runs the reference where it has no Triton kernel)."""
     return x.device.type == "cpu" and simulated_profile() is None and not _env_flag("LIGHTNING_FP8_CPU_REFERENCE")
 

@@ -5,7 +5,7 @@ scaled per (expert, column) over that expert's rows (numerics/groups.py `quantiz
 the transposed layout that GEMM reads (x^T (C, M) row-major: dy^T as mat_a, x^T as the storage of a column-major
 mat_b), with the scales (E, C) and the amax record. The other casts of an experts layer are rowwise tiles
 (`lightning_fp8::tiled_cast` on a 2-D view). On CUDA it is the Triton kernel of kernels/triton_grouped.py (one
-launch); elsewhere, and with stochastic rounding, the torch definition (kernels/reference.py).
+launch); elsewhere, and with stochastic rounding, the torch definition (kernels/kernel_reference.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from lightning_fp8.kernels import reference, triton_enabled_for, use_soft_cast
+from lightning_fp8.kernels import kernel_reference, triton_enabled_for, use_soft_cast
 from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics.formats import get_format
 
@@ -40,7 +40,7 @@ def grouped_cast_op(
                                      hw_cast=not use_soft_cast(x))
         return q_t.view(f.dtype), s
     with autocast_off(x.device):
-        q_t, s = reference.grouped_cast_reference(x, history, role, f, offsets, margin, power_of_2, noise=noise,
+        q_t, s = kernel_reference.grouped_cast_reference(x, history, role, f, offsets, margin, power_of_2, noise=noise,
                                                   record=record)
     return q_t, s
 

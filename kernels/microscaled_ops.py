@@ -7,7 +7,7 @@
 One op per tensor, as `tiled_cast` (kernels/tiled_ops.py): both layouts a tensor's two GEMMs read, and the record of
 its amax into history[role, 0] (NaN / inf kept raw: the engine's overflow detection reads it). A layout not asked for
 (an empty tile) comes back as empty tensors. What it computes is `numerics.microscaling` (the definition;
-`reference.microscaled_cast_reference` composes it); on CUDA (and on CPU under the Triton interpreter) it is the fused
+`kernel_reference.microscaled_cast_reference` composes it); on CUDA (and on CPU under the Triton interpreter) it is the fused
 kernels of kernels/triton_microscaled.py, bit for bit.
 
 - scaling "mxfp8": the data in `fmt` (E4M3 / E5M2), E8M0 block scales, no tensor scale (empty). CUDA: 1 launch
@@ -42,7 +42,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_fp8.kernels import reference, triton_enabled_for, use_soft_cast
+from lightning_fp8.kernels import kernel_reference, triton_enabled_for, use_soft_cast
 from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.formats import E4M3, get_format
@@ -222,7 +222,7 @@ def microscaled_cast_op(
                                                            hw_cast=not use_soft_cast(x))
         return _outputs(x, scaling, fmt, outputs)
     with autocast_off(x.device):  # the reference's float32 arithmetic stays float32
-        casts = reference.microscaled_cast_reference(
+        casts = kernel_reference.microscaled_cast_reference(
             x, history, role, scaling, get_format(fmt), tile if row else (), tile_t if col else (), hadamard_t,
             noise=noise, noise_t=noise_t, rng_state=rng_state if stochastic else None, record=record)
         outputs = []

@@ -26,7 +26,7 @@ count of dispatched ops on CPU is a count of kernel launches on a GPU (each op's
       CUDA: 1 launch (kernels/triton_scaling.py).
 
 Each op runs the Triton kernel where it can (CUDA tensor, triton importable, not disabled; or a CPU tensor under
-TRITON_INTERPRET=1) and the torch reference (`reference.py`) everywhere else, so the op is valid on every device
+TRITON_INTERPRET=1) and the torch reference (`kernel_reference.py`) everywhere else, so the op is valid on every device
 and its fake implementation only has to describe shapes.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Optional
 import torch
 
 from lightning_fp8.kernels import (
-    cpu,
+    cpu_kernels,
     cpu_twins_enabled_for,
-    reference,
+    kernel_reference,
     triton_available,
     triton_enabled_for,
     use_soft_cast,
@@ -93,12 +93,12 @@ def _fp8_cast_impl(x, scale, fmt, noise, seed, skip_if, write_row, write_t, comp
     else:
         if skip_if is not None and not (write_row or write_t):
             out, out_t = None, None
-            amax = reference.amax_reference(x, skip_if) if compute_amax else None
+            amax = kernel_reference.amax_reference(x, skip_if) if compute_amax else None
         else:
             fast = None
             if cpu_twins_enabled_for(x) and noise is None and seed is None and x.is_floating_point():
-                fast = cpu.cast_cpu(x, scale, f, write_row=write_row, write_t=write_t, compute_amax=compute_amax)
-            out, out_t, amax = fast if fast is not None else reference.cast_reference(
+                fast = cpu_kernels.cast_cpu(x, scale, f, write_row=write_row, write_t=write_t, compute_amax=compute_amax)
+            out, out_t, amax = fast if fast is not None else kernel_reference.cast_reference(
                 x,
                 scale,
                 f,
@@ -224,9 +224,9 @@ def _scaled_cast_impl(x, history, role, fmt, scaling, algo_max, margin, power_of
         record=record,
     )
     if cpu_twins_enabled_for(x) and history.device.type == "cpu":
-        q, scale, scale_inv = cpu.scaled_cast_cpu(*args, **kwargs)
+        q, scale, scale_inv = cpu_kernels.scaled_cast_cpu(*args, **kwargs)
         return q, _empty(x, f.dtype), scale, scale_inv
-    q, scale = reference.scaled_cast_reference(*args, **kwargs)
+    q, scale = kernel_reference.scaled_cast_reference(*args, **kwargs)
     return q.contiguous(), _empty(x, f.dtype), scale, scale.reciprocal()
 
 
@@ -301,7 +301,7 @@ def close_scaling_step_op(
     taken: bool,
 ) -> None:
     # one Triton launch where the kernels run; the plugins' engine closes the steps of every layer at once instead
-    # (lightning_fp8/engine/scales.py): this op serves a layer trained without an engine
+    # (lightning_fp8/engine/step_closer.py): this op serves a layer trained without an engine
     if triton_enabled_for(history) and history.is_contiguous():
         from lightning_fp8.kernels.triton_scaling import launch_close_step
 
@@ -309,7 +309,7 @@ def close_scaling_step_op(
                           power_of_2, taken)
         return
     with autocast_off(history.device):
-        reference.close_step_reference(
+        kernel_reference.close_step_reference(
             history, overflow_count, clip_count, (fp8_max, scaled, delayed, algo_max, margin, power_of_2), taken
         )
 

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_fp8.kernels import cpu, cpu_twins_enabled_for, reference, triton_enabled_for, use_soft_cast
+from lightning_fp8.kernels import cpu_kernels, cpu_twins_enabled_for, kernel_reference, triton_enabled_for, use_soft_cast
 from lightning_fp8.kernels.device import autocast_off
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.tiles import grid_shape
@@ -134,10 +134,10 @@ def tiled_cast_op(
 def _reference(x, history, role, f, tile, tile_t, margin, power_of_2, noise, record):
     """The CPU twin where it applies, else the torch reference: per-tile grids."""
     if cpu_twins_enabled_for(x) and noise is None:
-        fast = cpu.tiled_cast_cpu(x, history, role, f, tile, tile_t, margin, power_of_2, record=record)
+        fast = cpu_kernels.tiled_cast_cpu(x, history, role, f, tile, tile_t, margin, power_of_2, record=record)
         if fast is not None:
             return fast
-    return reference.tiled_cast_reference(x, history, role, f, tile, tile_t, margin, power_of_2, noise=noise,
+    return kernel_reference.tiled_cast_reference(x, history, role, f, tile, tile_t, margin, power_of_2, noise=noise,
                                           record=record)
 
 

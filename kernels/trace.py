@@ -12,7 +12,7 @@
   mode, so a copy counts as the `_to_copy` / `clone` it is and a view as nothing;
 - lightning_fp8's custom ops are not one opaque call here: their Python implementation runs under the same mode, so
   the operators and Triton kernels inside are counted one by one (what the GPU launches), on every device;
-- Triton kernels, at their launch site (`launch.announce`, which each launcher calls before `kernel[grid](...)`), with
+- Triton kernels, at their launch site (`device_launch.announce`, which each launcher calls before `kernel[grid](...)`), with
   the bytes the launcher says the kernel reads and writes;
 - host-side operators are not launches: where the block runs on a device (any operator touched a tensor not on the
   CPU: CUDA, or meta under `device.simulate_cuda`), an operator all of whose tensors are CPU tensors runs on the host
@@ -35,7 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_fp8.kernels import interpreter_enabled, launch
+from lightning_fp8.kernels import interpreter_enabled, device_launch
 
 aten = torch.ops.aten
 
@@ -201,12 +201,12 @@ def record_launches() -> Iterator[Launches]:
         launches.append(Launch("triton", kernel, read, sum(map(_nbytes, writes))))
         devices.append({t.device.type for t in (*reads, *writes)})
 
-    launch._observers.append(on_triton)
+    device_launch._observers.append(on_triton)
     try:
         with _Recorder(launches, devices):
             yield launches
     finally:
-        launch._observers.remove(on_triton)
+        device_launch._observers.remove(on_triton)
         _leave_out_host_ops(launches, devices)
 
 

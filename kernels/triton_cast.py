@@ -13,7 +13,7 @@ One kernel, `_cast_kernel`, specialised by constexpr flags, covers every cast FP
                       in-kernel philox noise (`tl.rand`, tested statistically only)
 
 The torch twins (what each variant must reproduce) are `lightning_fp8.numerics.quantize.quantize` and
-`tensor_amax`; `lightning_fp8.kernels.reference` maps every variant onto them.
+`tensor_amax`; `lightning_fp8.kernels.kernel_reference` maps every variant onto them.
 
 Numerics, step by step, exactly as the reference:
   y = float32(x) * scale                          one IEEE float32 multiply (x converted exactly)
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.numerics.formats import FP8Format
 
 ROUND_NEAREST = 0
@@ -476,7 +476,7 @@ def launch_scaled_cast(
     pad_to: int = 1,
     history_sized: bool = False,
 ):
-    """The state-driven cast of a 2-D tensor (twin: `reference.scaled_cast_reference`). `hist` is the role's
+    """The state-driven cast of a 2-D tensor (twin: `kernel_reference.scaled_cast_reference`). `hist` is the role's
     contiguous [L+1] float32 amax history row (its slot 0 receives this tensor's amax when `record`). `pad_to`
     (a power of two <= 16): x^T's rows are M rounded up to it, the extra columns zeros (the weight-gradient GEMM
     contracts the tokens, which torch's scaled GEMM takes in multiples of 16).

@@ -2,7 +2,7 @@
 sorted by expert, cast with one scale per (expert, column) over the expert's rows, written transposed, x^T (C, M):
 what the experts' weight-gradient GEMM reads. Imported only when triton is importable.
 
-The twin it must reproduce bit for bit: `kernels.reference.grouped_cast_reference` (numerics/groups.py
+The twin it must reproduce bit for bit: `kernels.kernel_reference.grouped_cast_reference` (numerics/groups.py
 `quantize_groups`). One launch: a program per (strip of BLOCK_C columns, expert) reduces its strip over the expert's
 rows (the expert's bounds read from the offsets on the device: no host read), writes the strip's dequant scales and
 casts the strip into x^T (a second pass over the strip, mostly from L2), as `_colwise_kernel` does for a whole column
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _scale_from_amax, format_constexprs
 from lightning_fp8.kernels.triton_tiled import _abs_bits, _saturated_codes
 from lightning_fp8.numerics.formats import FP8Format

@@ -19,7 +19,7 @@ per-tile grid after them). Imported only when triton is importable.
                          stream's (seed, offset + element index), packed two per byte.
 
 The twins they reproduce bit for bit (tests/test_microscaled_kernels.py, under the interpreter): `numerics.microscaling`
-through `kernels.reference.microscaled_cast_reference`. Where the arithmetic is the same IEEE operations in the same
+through `kernels.kernel_reference.microscaled_cast_reference`. Where the arithmetic is the same IEEE operations in the same
 order (the E8M0 exponent from the amax bits is frexp's exact answer; the block scales' two divisions; the Hadamard
 butterflies in the definition's order, the sign flipped on the bits), so are the bits; the FP8 conversions are the
 hardware's or the exact integer rounding (`triton_cast._fp8_code`, `use_soft_cast`: the interpreter mis-rounds some).
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.kernels.microscaled_ops import Layout, stochastic_rounding_offsets
 from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs
 from lightning_fp8.numerics import microscaling

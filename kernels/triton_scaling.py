@@ -3,7 +3,7 @@
 One program per tensor role: the open slot's amax -> overflow (non-finite, or an unscaled role beyond the format's
 range) and clip (a delayed-scaling amax beyond the range of the scale its casts used) counters, then a taken step
 with a non-zero finite amax shifts into slot 1. One launch per layer per step; the plugins' engine closes every layer
-at once with torch ops instead (lightning_fp8/engine/scales.py). Twin: `kernels.reference.close_step_reference`.
+at once with torch ops instead (lightning_fp8/engine/step_closer.py). Twin: `kernels.kernel_reference.close_step_reference`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _next_pow2, _scale_from_amax_rt
 
 

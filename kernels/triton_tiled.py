@@ -1,7 +1,7 @@
 """Triton kernels of the fine-grained casts (`lightning_fp8::tiled_cast`): one scale per tile, both layouts a layer's
 GEMMs read, the scales already in the layout the scaled GEMM takes. Imported only when triton is importable.
 
-Two kernel families (the twin they must reproduce bit for bit: `kernels.reference.tiled_cast_reference`, i.e.
+Two kernel families (the twin they must reproduce bit for bit: `kernels.kernel_reference.tiled_cast_reference`, i.e.
 `numerics.tiles.quantize_tiles`):
 
   `_block_cast_kernel`   1xB tiles (activations, gradients) or BxB tiles (weights), B a power of two <= 128.
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _fp8_code, _scale_from_amax, format_constexprs
 from lightning_fp8.numerics.formats import FP8Format
 

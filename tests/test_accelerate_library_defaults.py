@@ -24,7 +24,7 @@ from support.helpers import DispatchCount
 from lightning_fp8 import fp8_layers
 from lightning_fp8.accelerate import enable_fp8
 from lightning_fp8.integrations.accelerate import accelerator as accelerator_module
-from lightning_fp8.integrations.accelerate import fp8_config, launch, plain
+from lightning_fp8.integrations.accelerate import fp8_config, launcher, plain
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 #: what each trial run passes besides the option under test: one CPU process, no saving, no logging services
@@ -68,7 +68,7 @@ def prepared_models(monkeypatch):
 def _run_script(script, *args):
     """The script as each process of the launcher runs it (`_run_fp8`), counting the FP8 GEMMs it dispatches."""
     with DispatchCount() as count:
-        launch.main(["_run_fp8", "--script", os.path.join(EXAMPLES, script), *args])
+        launcher.main(["_run_fp8", "--script", os.path.join(EXAMPLES, script), *args])
     return count.of("lightning_fp8.fp8_gemm")
 
 

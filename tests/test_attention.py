@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from support.helpers import trainer
 from lightning_fp8 import FP8Precision, convert_to_fp8, fp8_autocast, fp8_layers, precision_map, revert_fp8
-from lightning_fp8.modules.attention import FP8MultiheadAttentionProjection, ProjectedMultiheadAttention
+from lightning_fp8.modules.multihead_attention import FP8MultiheadAttentionProjection, ProjectedMultiheadAttention
 
 E, HEADS = 32, 4
 

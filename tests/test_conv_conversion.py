@@ -237,15 +237,15 @@ def test_registered_kinds_of_subclasses_with_their_own_forward_convert_and_count
     """A user's kind for a convolution (or linear) subclass with its own forward: before, linear_kind returned None
     for any nn.Conv2d / nn.Linear subclass that replaced forward, before registered kinds were consulted, skipped every
     registered kind of family "convolution", and family() called a converted non-FP8ConvNd layer "linear"."""
-    from lightning_fp8.conversion import kinds
+    from lightning_fp8.conversion import layer_kinds
 
-    monkeypatch.setattr(kinds, "_KINDS", list(kinds._KINDS))  # register_linear_kind's additions end with the test
+    monkeypatch.setattr(layer_kinds, "_KINDS", list(layer_kinds._KINDS))  # register_linear_kind's additions end with the test
     here = __name__
-    kinds.register_linear_kind(kinds.LinearKind(
+    layer_kinds.register_linear_kind(layer_kinds.LinearKind(
         label="standardized conv", source=f"{here}.StandardizedConv", fp8_class=f"{here}:FP8StandardizedConv",
-        features=kinds._conv_features, build=lambda cls, m, r: cls.from_conv(m, r), family="convolution",
-        weight_shape=kinds._conv_weight_shape))
-    kinds.register_linear_kind(kinds.LinearKind(
+        features=layer_kinds._conv_features, build=lambda cls, m, r: cls.from_conv(m, r), family="convolution",
+        weight_shape=layer_kinds._conv_weight_shape))
+    layer_kinds.register_linear_kind(layer_kinds.LinearKind(
         label="patchify", source=f"{here}.Patchify", fp8_class=f"{here}:FP8Patchify",
         features=lambda m: (m.in_features, m.out_features),
         build=lambda cls, m, r: _with_patch(cls.from_linear(m, r), m), family="convolution"))
@@ -260,7 +260,7 @@ def test_registered_kinds_of_subclasses_with_their_own_forward_convert_and_count
     assert {f: (r.precision, r.family) for f, r in rows.items()} == {
         "patch": ("fp8", "convolution"), "std": ("fp8", "convolution"), "grouped_narrow": ("bf16", "convolution")}
     assert rows["grouped_narrow"].reason.startswith("in/out channels per group 8x8 are not multiples of 16")
-    assert rows["patch"].module_type == "patchify" and kinds.family(model["patch"]) == "convolution"
+    assert rows["patch"].module_type == "patchify" and layer_kinds.family(model["patch"]) == "convolution"
     outputs = model["patch"](images), model["std"](maps)
     for out, ref in zip(outputs, reference):  # the subclasses' own computation, in FP8 (E4M3: ~3 % relative error)
         assert out.shape == ref.shape and ((out - ref).norm() / ref.norm()).item() < 0.1

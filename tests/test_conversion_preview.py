@@ -189,7 +189,7 @@ def test_only_the_conv1d_module_imports_transformers_and_it_is_guarded():
     """transformers is optional (torchmetrics imports it when it is installed, so a subprocess cannot show its
     absence): no module of the package imports it at import time except modules/hf_conv1d.py, inside a try (the
     absent case is test_conv1d_without_transformers_and_lookalikes_are_named); the others import it inside the
-    function that needs it, which runs only for a transformers model or Trainer (modules/experts.py registering its
+    function that needs it, which runs only for a transformers model or Trainer (modules/grouped_linear.py registering its
     implementation, the Accelerate adapter's look at a Trainer's arguments)."""
     import ast
     import pathlib
@@ -342,7 +342,7 @@ def test_untraced_grouping_needs_siblings_of_one_family_and_one_role_each():
 
     rows = {r.fqn: r for r in precision_map(Odd())}
     assert _bf16(rows.values()) == ["query_key_value", "key"]  # first and last, each alone
-    from lightning_fp8.conversion.order import sibling_groups
+    from lightning_fp8.conversion.first_last import sibling_groups
 
     assert sibling_groups(Odd(), ["query_key_value", "a.q", "b.k", "q_proj", "key"]) == ({}, {})
     index, notes = sibling_groups(NamedModel(NAMING_STYLES["hf q_proj"]), ["layers.0.k_proj", "layers.0.q_proj",
@@ -375,9 +375,9 @@ def test_multihead_attention_projections_stay_bf16_together(traced):
 
 
 def test_which_multihead_attention_projections_share_their_input():
-    """What conversion/attention.py tells the untraced rule: self-attention q, k, v; a decoder's cross-attention
+    """What conversion/torch_transformer.py tells the untraced rule: self-attention q, k, v; a decoder's cross-attention
     (query from the decoder, key and value from the memory) k and v; separate kdim / vdim: k and v when equal."""
-    from lightning_fp8.conversion.attention import expose_projections, shared_input_projections
+    from lightning_fp8.conversion.torch_transformer import expose_projections, shared_input_projections
 
     class Model(nn.Module):
         def __init__(self):

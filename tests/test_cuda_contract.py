@@ -966,14 +966,14 @@ HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist",
 
 class HostReads:
     """Counts the HOST_READS calls on tensors while active and not paused; the engine's own `to_host` is counted
-    separately (engine/host.py) and excluded here."""
+    separately (engine/host_reads.py) and excluded here."""
 
     def __init__(self, monkeypatch):
         self.calls, self.paused, self._monkeypatch = [], False, monkeypatch
 
     @contextlib.contextmanager
     def active(self):
-        from lightning_fp8.engine import host
+        from lightning_fp8.engine import host_reads
 
         originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
         counter = self
@@ -988,7 +988,7 @@ class HostReads:
 
             return method
 
-        real_to_host = host.to_host
+        real_to_host = host_reads.to_host
 
         def to_host(tensor, why):  # counted by count_host_reads, not here
             paused, counter.paused = counter.paused, True
@@ -1008,8 +1008,8 @@ class HostReads:
 def _modules_using_to_host():
     import importlib
 
-    names = ["lightning_fp8.engine.engine", "lightning_fp8.engine.checks", "lightning_fp8.engine.gradients",
-             "lightning_fp8.engine.scales", "lightning_fp8.engine.distributed"]
+    names = ["lightning_fp8.engine.engine", "lightning_fp8.engine.iteration_checks", "lightning_fp8.engine.gradients",
+             "lightning_fp8.engine.step_closer", "lightning_fp8.engine.distributed"]
     return [module for module in map(importlib.import_module, names) if hasattr(module, "to_host")]
 
 
@@ -1068,11 +1068,11 @@ def _train_iteration(engine, model, opt, counter, clip=None):
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 def test_engine_host_reads_per_iteration(clip, monkeypatch):
-    """The engine's device-to-host reads per training iteration on one GPU, counted at engine/host.py's `to_host`,
+    """The engine's device-to-host reads per training iteration on one GPU, counted at engine/host_reads.py's `to_host`,
     the only place they happen (no implicit read anywhere in the iteration outside the optimizer's own step): the
     figures docs/plugin.md ("Host synchronisations") states and justifies."""
     from lightning_fp8.engine import FP8TrainingEngine
-    from lightning_fp8.engine.host import count_host_reads
+    from lightning_fp8.engine.host_reads import count_host_reads
 
     with simulate_cuda((9, 0), triton=False):
         torch.manual_seed(0)

@@ -116,7 +116,7 @@ def test_post_all_gather_ties_the_copy_in_streams_scale_and_amax_to_the_compute_
     tensors to the compute stream (record_stream) before their memory can be reused; on both paths (first gather and
     a re-gather into the same buffers). What only a GPU shows: the race itself, under NCCL and prefetch."""
     from lightning_fp8.distributed import all_gather
-    from lightning_fp8.modules.precast import CastKey
+    from lightning_fp8.modules.gathered_fp8 import CastKey
 
     kept = []
     monkeypatch.setattr(all_gather, "keep_for_current_stream", lambda *tensors: kept.append(tensors))
@@ -200,7 +200,7 @@ def test_the_engine_takes_a_dtensor_loss_by_the_value_every_rank_holds(gloo_one_
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from lightning_fp8 import FP8Recipe
-    from lightning_fp8.engine.checks import plain_value
+    from lightning_fp8.engine.iteration_checks import plain_value
     from lightning_fp8.engine.engine import FP8TrainingEngine
 
     mesh = init_device_mesh("cpu", (1,))
@@ -251,7 +251,7 @@ def test_torch_rowwise_parallel_splits_an_fp8_layer_as_it_splits_nn_linear(gloo_
 def test_the_conversion_summary_is_logged_once_per_set_of_layers():
     """A model summarized when its inner model was converted (convert_for_fsdp in configure_model, then the
     strategy's conversion of the LightningModule) is not summarized again; another model is."""
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
     logged = []
     core = FP8PrecisionCore(example_input=torch.zeros(1, 32))  # first / last traced at conversion: summary there

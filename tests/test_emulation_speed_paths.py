@@ -1,4 +1,4 @@
-"""The CPU fast paths of the emulation give the reference's bits (kernels/cpu.py, lightning_fp8/modules/emulation.py):
+"""The CPU fast paths of the emulation give the reference's bits (kernels/cpu_kernels.py, lightning_fp8/modules/emulation.py):
 
 - a BF16 tensor cast with a power-of-two scale is scaled in BF16, not float32;
 - the backward's weight re-cast skips the amax where torch's cast saturates like `quantize`'s clamp;
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fp8.kernels.cpu import _cast_saturates_like_the_clamp, cast_cpu, scaled_cast_cpu
-from lightning_fp8.kernels.reference import cast_reference, scaled_cast_reference
+from lightning_fp8.kernels.cpu_kernels import _cast_saturates_like_the_clamp, cast_cpu, scaled_cast_cpu
+from lightning_fp8.kernels.kernel_reference import cast_reference, scaled_cast_reference
 from lightning_fp8.modules import emulation
 from lightning_fp8.modules.emulation import emulate, fp8_bf16_image
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
@@ -120,7 +120,7 @@ def test_memory_bound_passes_take_the_thread_count_that_ran_faster_and_restore_t
     """`_ThreadChoice` tries all threads and one thread, then keeps the one with the lower time per element and
     re-tries the other every PROBE_EVERY passes; `memory_bound_threads` gives torch its thread count back, also when
     the block raises, and leaves small passes and one-thread setups alone."""
-    from lightning_fp8.kernels.cpu import _ThreadChoice, memory_bound_threads
+    from lightning_fp8.kernels.cpu_kernels import _ThreadChoice, memory_bound_threads
 
     choice = _ThreadChoice()
     assert choice.single() is False  # each tried once, all threads first

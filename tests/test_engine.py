@@ -130,7 +130,7 @@ def _poisoning_iteration(engine, model, opt):
 def test_weights_a_step_made_non_finite_roll_back_at_the_next_decision_before_any_other_step():
     """The weights the step wrote are checked on the device at the close and read with the next decision's flags
     (the iteration's one read): that decision rolls back, so no optimizer ever steps from the non-finite weights."""
-    from lightning_fp8.engine.host import count_host_reads
+    from lightning_fp8.engine.host_reads import count_host_reads
 
     engine, model, opt = _engine_and_model(snapshot_every=4)
     for _ in range(4):  # the snapshot of iteration 4
@@ -156,7 +156,7 @@ def test_weights_a_step_made_non_finite_roll_back_at_the_next_decision_before_an
 def test_a_snapshot_never_holds_weights_a_step_made_non_finite():
     """At a snapshot's close the weights are read before the snapshot replaces the last good state (that close's
     one extra read, every snapshot_every iterations)."""
-    from lightning_fp8.engine.host import count_host_reads
+    from lightning_fp8.engine.host_reads import count_host_reads
 
     engine, model, opt = _engine_and_model(snapshot_every=3)
     for _ in range(3):  # the snapshot of iteration 3

@@ -68,13 +68,13 @@ def test_unchanged_accelerate_script_as_each_launched_process_runs_it(monkeypatc
     """A script that builds accelerate.Accelerator() and never imports lightning_fp8, run the way every process of
     `python -m lightning_fp8.accelerate launch --mixed_precision fp8` runs it (`_run_fp8`): it trains in FP8 (before:
     refused, pointing to FP8Accelerator) and save_state carries the FP8 state."""
-    from lightning_fp8.integrations.accelerate import launch, plain
+    from lightning_fp8.integrations.accelerate import launcher, plain
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")  # what the launcher sets
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
-        launch.main(["_run_fp8", "--script", os.path.join(EXAMPLES, "accelerate_unchanged.py"), "--steps", "4",
+        launcher.main(["_run_fp8", "--script", os.path.join(EXAMPLES, "accelerate_unchanged.py"), "--steps", "4",
                      "--max-chars", "20000", "--batch-size", "4", "--block-size", "32",
                      "--output-dir", str(tmp_path / "state")])
     finally:

@@ -175,7 +175,7 @@ def test_fp8_all_gather_is_asked_of_the_layer_while_fsdp2_holds_the_weight_unsha
     from lightning_fp8.distributed.all_gather import gather_in_high_precision
     from lightning_fp8.integrations._distributed import warn_if_gathered_in_high_precision
     from lightning_fp8.modules.autocast import fp8_autocast
-    from lightning_fp8.modules.precast import PrecastFP8Weight
+    from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight
 
     torch.manual_seed(0)
     model = convert_to_fp8(mlp(), verbose=False)

@@ -30,7 +30,7 @@ def _imported_after(code: str, watched) -> list:
     "from lightning_fp8 import precision_map",
     "import lightning_fp8.optim",
     "import lightning_fp8.engine",
-    "from lightning_fp8.integrations._core import FP8PrecisionCore",
+    "from lightning_fp8.integrations.plugin_core import FP8PrecisionCore",
 ])
 def test_the_core_imports_no_framework(statement):
     assert _imported_after(statement, FRAMEWORKS) == []

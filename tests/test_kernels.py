@@ -29,7 +29,7 @@ import torch
 
 from lightning_fp8 import kernels
 from lightning_fp8.modules.cast import PerTensorCaster, cast_to_fp8
-from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LinearMeta
 from lightning_fp8.numerics import E4M3, E5M2, cast_scale, close_step, quantize, tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -252,7 +252,7 @@ def test_scaled_cast_op_is_the_numerics_composition(name, monkeypatch):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_cpu_kernels_match_the_reference_bit_for_bit(name, monkeypatch):
-    """kernels/cpu.py (host-side scales, the clamp skipped where nothing saturates) against the torch reference, over
+    """kernels/cpu_kernels.py (host-side scales, the clamp skipped where nothing saturates) against the torch reference, over
     training steps with an overflow and a rejected step, evaluation casts and explicit-scale casts."""
     recipe = RECIPES[name]
     monkeypatch.setenv("LIGHTNING_FP8_CPU_REFERENCE", "1")
@@ -264,8 +264,8 @@ def test_cpu_kernels_match_the_reference_bit_for_bit(name, monkeypatch):
 @pytest.mark.parametrize("scaling", ["delayed", "current", "none"])
 @pytest.mark.parametrize("power_of_2", [False, True])
 def test_cpu_scaled_cast_on_edge_values_and_histories(scaling, power_of_2):
-    from lightning_fp8.kernels.cpu import scaled_cast_cpu
-    from lightning_fp8.kernels.reference import scaled_cast_reference
+    from lightning_fp8.kernels.cpu_kernels import scaled_cast_cpu
+    from lightning_fp8.kernels.kernel_reference import scaled_cast_reference
 
     for fmt, margin in ((E4M3, 0), (E5M2, 3)):
         v = edge_values(fmt)
@@ -288,11 +288,11 @@ def test_cpu_scaled_cast_on_edge_values_and_histories(scaling, power_of_2):
 
 
 def test_cpu_explicit_scale_cast_on_edge_values():
-    """kernels/cpu.py's `cast_cpu` (the backward re-cast with a given scale: amax first, no clamp where nothing can
+    """kernels/cpu_kernels.py's `cast_cpu` (the backward re-cast with a given scale: amax first, no clamp where nothing can
     saturate) against the reference, over every code's neighbourhood, saturating, inf / NaN and tiny data, scales
     that are and are not powers of two, both layouts; where it declines (saturation, non-finite) it says so."""
-    from lightning_fp8.kernels.cpu import cast_cpu
-    from lightning_fp8.kernels.reference import cast_reference
+    from lightning_fp8.kernels.cpu_kernels import cast_cpu
+    from lightning_fp8.kernels.kernel_reference import cast_reference
 
     taken = 0
     for fmt in (E4M3, E5M2):
@@ -360,7 +360,7 @@ def test_device_guard_makes_the_tensors_cuda_device_current(monkeypatch):
     nothing with a CPU tensor (the interpreter)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_fp8.kernels.launch import device_guard
+    from lightning_fp8.kernels.device_launch import device_guard
 
     asked, entered = [], []
 
@@ -690,7 +690,7 @@ def test_interp_scale_derived_in_kernel_matches_reference(triton_interp, scaling
     with numerics.scaling.cast_scale, the same bytes, the same open-slot amax (NaN kept), for both formats; inputs
     with -0 and subnormals, then with a NaN or an inf (the amax is unusable: the scale falls back). A delayed cast
     whose history sizes the scale runs also as the engine has it (`history_sized`: no pre-pass): the same result."""
-    from lightning_fp8.kernels.reference import scaled_cast_reference
+    from lightning_fp8.kernels.kernel_reference import scaled_cast_reference
 
     sized_options = (False, True) if scaling == "delayed" and history != "empty" else (False,)
 
@@ -724,7 +724,7 @@ def test_interp_scaled_cast_pads_the_transpose_with_zeros(triton_interp, tokens)
     """pad_to=16: x^T's token columns are M rounded up to 16, the first M the reference's bytes, the rest +0 (code 0),
     with stochastic rounding too (the padded columns have no noise to draw); x itself and the recorded amax are
     those of the unpadded cast."""
-    from lightning_fp8.kernels.reference import scaled_cast_reference
+    from lightning_fp8.kernels.kernel_reference import scaled_cast_reference
 
     x = wide_random((tokens, 70), seed=4).clamp(-3e4, 3e4)
     padded = -(-tokens // 16) * 16
@@ -745,7 +745,7 @@ def test_interp_scaled_cast_pads_the_transpose_with_zeros(triton_interp, tokens)
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("taken", [True, False])
 def test_interp_close_step_kernel_matches_reference(triton_interp, name, taken):
-    from lightning_fp8.kernels.reference import close_step_reference
+    from lightning_fp8.kernels.kernel_reference import close_step_reference
     from lightning_fp8.kernels.triton_scaling import launch_close_step
 
     recipe = RECIPES[name]
@@ -886,7 +886,7 @@ def test_cuda_kernels_launch_on_the_tensors_device_not_the_current_one():
     is kept busy until the input is written, a kernel launched on cuda:0 would fault or read the input before it
     exists; under the device guard each kernel runs on cuda:1, after the input, and cuda:0 stays current."""
     from lightning_fp8.kernels import triton_cast
-    from lightning_fp8.kernels.reference import close_step_reference, scaled_cast_reference
+    from lightning_fp8.kernels.kernel_reference import close_step_reference, scaled_cast_reference
     from lightning_fp8.kernels.triton_scaling import launch_close_step
 
     second = torch.device("cuda", 1)

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from lightning_fp8 import FP8Recipe
-from lightning_fp8.engine.host import count_host_reads
+from lightning_fp8.engine.host_reads import count_host_reads
 from lightning_fp8.kernels.device import simulate_cuda
 from lightning_fp8.kernels.trace import record_launches
 from lightning_fp8.modules.linear import FP8Linear

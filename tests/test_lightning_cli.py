@@ -51,7 +51,7 @@ def test_yaml_config_with_a_recipe(tmp_path):
 def test_help_lists_every_option_with_its_description(capsys):
     """The plugin defines no constructor: jsonargparse reads the arguments and their descriptions from
     FP8PrecisionCore.__init__, the one definition of the options."""
-    from lightning_fp8.integrations._core import OPTION_NAMES
+    from lightning_fp8.integrations.plugin_core import OPTION_NAMES
 
     with pytest.raises(SystemExit):
         _cli(["--trainer.plugins.help", "lightning_fp8.FP8Precision"])

@@ -1,5 +1,5 @@
 """litgpt in FP8 without an edit of litgpt: `python -m lightning_fp8.litgpt COMMAND ... --precision fp8`
-(lightning_fp8/integrations/litgpt.py), run on a tiny config and local data: pretrain, its resume, finetune_lora with
+(lightning_fp8/integrations/litgpt_fabrics.py), run on a tiny config and local data: pretrain, its resume, finetune_lora with
 its merge step, and the command line itself.
 
 litgpt's commands run in this process (`main(argv)` returns the plugins their Fabrics carried) with torch.compile
@@ -30,7 +30,7 @@ from litgpt.model import GPT  # noqa: E402
 from lightning_fp8 import precision_map  # noqa: E402
 from lightning_fp8.conversion.convert import fp8_layers  # noqa: E402
 from lightning_fp8.fabric import FP8Precision  # noqa: E402
-from lightning_fp8.integrations import litgpt as fp8_litgpt  # noqa: E402
+from lightning_fp8.integrations import litgpt_fabrics as fp8_litgpt  # noqa: E402
 from lightning_fp8.litgpt import fp8_fabrics, main  # noqa: E402
 from support.helpers import mlp  # noqa: E402
 from support.litgpt_data import make_checkpoint_dir  # noqa: E402

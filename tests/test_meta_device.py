@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_fp8 import FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
-from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LinearMeta
 from tests.support.helpers import RegressionModule, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning_fp8.modules.gemm.FP8EmulationWarning")
@@ -146,7 +146,7 @@ def test_lightning_configure_model_on_meta_with_a_pretrained_load_trains_as_a_cp
 
 def test_from_pretrained_into_fp8_layers_built_by_the_plugin_matches_converting_afterwards(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)

@@ -423,7 +423,7 @@ def test_the_layer_stream_is_drawn_once_saved_and_never_touches_the_global_gener
     load_fp8_state_dict(fresh, state)
     assert torch.equal(fresh.fp8_meta.rng_state, layer.fp8_meta.rng_state)
     # the cast finds the stream through the history it is given, also after the buffers were moved or copied
-    from lightning_fp8.modules.fp8_meta import stochastic_rounding_state
+    from lightning_fp8.modules.layer_state import stochastic_rounding_state
 
     for module in (fresh.to(torch.device("cpu")), copy.deepcopy(fresh), fresh.double()):
         meta = module.fp8_meta

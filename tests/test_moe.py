@@ -24,8 +24,8 @@ from lightning_fp8.conversion.summary import conversion_summary
 from lightning_fp8.kernels.device import simulate_cuda
 from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.emulation import emulate_grouped
-from lightning_fp8.modules.experts import IMPLEMENTATION, FP8GroupedLinear
-from lightning_fp8.modules.function import GemmConfig, linear_gemms
+from lightning_fp8.modules.grouped_linear import IMPLEMENTATION, FP8GroupedLinear
+from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.gemm import record_gemms
 from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
 from lightning_fp8.modules.scaled_mm import (
@@ -349,7 +349,7 @@ def test_unreadable_experts_stay_bf16_with_their_reason_and_module_list_experts_
 
 
 def test_grouped_recipe_keeps_the_recipes_choices_in_e4m3_rowwise():
-    from lightning_fp8.modules.experts import grouped_recipe
+    from lightning_fp8.modules.grouped_linear import grouped_recipe
 
     recipe, why = grouped_recipe(FP8Recipe(margin=1, amax_history_len=4, weight_grad="high_precision"))
     assert why is None
@@ -424,7 +424,7 @@ def test_interp_the_grouped_cast_kernel_is_the_reference_bit_for_bit(layout, dty
     """The Triton kernel (the interpreter, exact integer rounding) against the torch definition: uneven experts, an
     empty one, rows past the last offset, inf / NaN in single experts, a transposed input; codes, scales and the amax
     record equal to the bit."""
-    from lightning_fp8.kernels import reference
+    from lightning_fp8.kernels import kernel_reference
     from lightning_fp8.kernels.triton_grouped import launch_grouped_cast
     from lightning_fp8.numerics.formats import E4M3
 
@@ -432,7 +432,7 @@ def test_interp_the_grouped_cast_kernel_is_the_reference_bit_for_bit(layout, dty
     x = (base if layout == "row" else base.t().contiguous().t()).to(dtype)
     offsets = torch.tensor([20, 20, 31, 90, 140], dtype=torch.int32)
     history_ref, history = torch.zeros(3, 5), torch.zeros(3, 5)
-    q_ref, s_ref = reference.grouped_cast_reference(x, history_ref, 2, E4M3, offsets, 0, True)
+    q_ref, s_ref = kernel_reference.grouped_cast_reference(x, history_ref, 2, E4M3, offsets, 0, True)
     codes, scales = launch_grouped_cast(x, history[2, 0:1], E4M3, offsets, 0, True, hw_cast=False)
     assert torch.equal(codes, q_ref.view(torch.uint8))
     assert torch.equal(scales, s_ref)
@@ -446,9 +446,9 @@ def test_a_grouped_step_on_sm90_launches_the_fused_grouped_cast_and_reads_nothin
     per-expert transpose in the backward), the GEMMs the three planned grouped calls, and no value is read on the
     host. The budget this pins (benchmarks/results/moe.md prices it)."""
     pytest.importorskip("triton")
-    from lightning_fp8.engine.host import count_host_reads
+    from lightning_fp8.engine.host_reads import count_host_reads
     from lightning_fp8.kernels.trace import record_launches
-    from lightning_fp8.modules.experts import ExpertsLayout, Projection, grouped_recipe
+    from lightning_fp8.modules.grouped_linear import ExpertsLayout, Projection, grouped_recipe
 
     class Experts(nn.Module):
         def __init__(self):

@@ -14,7 +14,7 @@ from support.moe_models import moe_model, token_batches
 
 from lightning_fp8 import FP8Layer, FP8Precision, fp8_state_dict, precision_map
 from lightning_fp8.callbacks import FP8LayerFallback, FP8ScaleMonitor
-from lightning_fp8.modules.experts import FP8GroupedLinear
+from lightning_fp8.modules.grouped_linear import FP8GroupedLinear
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning_fp8.modules.gemm.FP8EmulationWarning")
 

@@ -38,7 +38,7 @@ from lightning_fp8.optim import (
     unsupported_optimizer_message,
 )
 from lightning_fp8.optim.blockwise import FP16_STORAGE
-from lightning_fp8.optim.state import read_moments
+from lightning_fp8.optim.moment_storage import read_moments
 
 E4M3_REL, E4M3_SUB = 2.0**-4, 2.0**-10
 FP16_REL, FP16_SUB = 2.0**-11, 2.0**-25
@@ -590,7 +590,7 @@ def test_triton_kernel_matches_reference(exp_avg_sq_dtype, decoupled, maximize, 
     contract a multiply-add differently, so parameters agree to float32 rounding (rtol 1e-5 after 5 steps) and
     at least 99% of the stored moment codes are identical (a code flips only when the float32 value sits
     within an ulp of a rounding midpoint). Numel 38700 is not a multiple of the block (masked tail)."""
-    from lightning_fp8.optim import state as opt_state
+    from lightning_fp8.optim import moment_storage as opt_state
 
     # the kernel rounds sqrt(v) to nearest; FP8AdamW's fp8 second moment is stochastic (reference-only), so the
     # kernel's fp8 path is compared under the module's ablation switch
@@ -679,8 +679,8 @@ def _interpreter_step(vdt: str, decoupled: bool, maximize: bool, hw_cast: bool, 
     """One fused step and one reference step from the same state (3 reference steps in), default block size, 4257
     elements (34 blocks, a masked tail). `grad_specials`: (flat index, value) pairs written into the gradient.
     Returns (old p, reference p, fused p, reference state, fused state)."""
-    from lightning_fp8.optim.reference import adamw_step_
-    from lightning_fp8.optim.state import init_state
+    from lightning_fp8.optim.adamw_reference import adamw_step_
+    from lightning_fp8.optim.moment_storage import init_state
     from lightning_fp8.optim.triton_adamw import adamw_step_triton_
 
     torch.manual_seed(0)
@@ -764,8 +764,8 @@ def _multi_tensor_check(vdt: str, hw_cast: bool) -> None:
     reference step with the tolerances of `_assert_step_matches`, for the integer conversion (the interpreter's own
     float8 conversion, behind hw_cast=True, does not keep a NaN moment NaN: the single-tensor check runs that
     variant on finite gradients only)."""
-    from lightning_fp8.optim.reference import adamw_step_
-    from lightning_fp8.optim.state import init_state
+    from lightning_fp8.optim.adamw_reference import adamw_step_
+    from lightning_fp8.optim.moment_storage import init_state
     from lightning_fp8.optim.triton_adamw import adamw_multi_step_triton_, adamw_step_triton_
 
     torch.manual_seed(0)

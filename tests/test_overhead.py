@@ -9,7 +9,7 @@ from torch import nn
 
 from support.helpers import DispatchCount
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8
-from lightning_fp8.engine.scales import ModelScales
+from lightning_fp8.engine.step_closer import ModelScales
 
 
 def _fwd_bwd(layer, x):

@@ -28,12 +28,12 @@ def test_nothing_loose_at_the_top_level():
 
 def _options():
     """The one definition of the options: the parameters of FP8PrecisionCore.__init__ (without self)."""
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
     return dict(list(inspect.signature(FP8PrecisionCore.__init__).parameters.items())[1:])
 
 
-@pytest.mark.parametrize("module", ["integrations/lightning.py", "integrations/fabric.py"])
+@pytest.mark.parametrize("module", ["integrations/lightning.py", "integrations/fabric_plugin.py"])
 def test_the_plugins_define_no_constructor(module):
     """The plugins' arguments are FP8PrecisionCore's, not a copy: neither file defines an __init__."""
     import ast
@@ -66,7 +66,7 @@ def test_fp8_kwargs_fields_are_the_options():
     import typing
 
     from lightning_fp8.accelerate import FP8Kwargs
-    from lightning_fp8.integrations._core import FP8Options, FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8Options, FP8PrecisionCore
 
     hints = typing.get_type_hints(FP8PrecisionCore.__init__)
     for record in (FP8Kwargs, FP8Options):
@@ -94,9 +94,10 @@ def test_lightning_plugin_is_the_fabric_plugin_behind_lightnings_precision():
 
     from lightning_fp8 import FP8Precision
     from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import EngineCounters, FP8PrecisionCore
 
-    assert FP8Precision.__mro__[:5] == (FP8Precision, Precision, FabricFP8Precision, FP8PrecisionCore, FabricPrecision)
+    assert FP8Precision.__mro__[:6] == (FP8Precision, Precision, FabricFP8Precision, FP8PrecisionCore, EngineCounters,
+                                        FabricPrecision)
     own = vars(FP8Precision)
     for hook in ("connect", "convert_input", "module_init_context", "pre_backward", "optimizer_step", "clip_gradients",
                  "train_step_context", "val_step_context", "test_step_context", "predict_step_context"):

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.modules.cast import PerTensorCaster
-from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LinearMeta
 from lightning_fp8.numerics import E4M3, E5M2, scale_from_amax
 
 

@@ -189,7 +189,7 @@ def test_tiled_cast_op_matches_oracle_both_layouts_and_records_amax(scaling, rol
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
 def test_tiled_cast_op_on_aligned_shapes_matches_oracle(scaling, role):
-    """128-aligned shapes take the CPU twin (kernels/cpu.py `tiled_cast_cpu`: a blocked view instead of expanded
+    """128-aligned shapes take the CPU twin (kernels/cpu_kernels.py `tiled_cast_cpu`: a blocked view instead of expanded
     scales); the oracle decides, in both layouts."""
     fmt = E4M3
     x = every_code_tensor(fmt, 256, 384, seed=3)
@@ -208,8 +208,8 @@ def test_cpu_tiled_cast_is_the_reference_bit_for_bit():
     """The CPU twin against the reference over formats, margins, scales that are and are not powers of two, bf16 and
     float32 inputs, one or both layouts, record on / off; where it declines (ragged tiles, a saturating, inf or NaN
     tile) it returns None and the op runs the reference."""
-    from lightning_fp8.kernels.cpu import tiled_cast_cpu
-    from lightning_fp8.kernels.reference import tiled_cast_reference
+    from lightning_fp8.kernels.cpu_kernels import tiled_cast_cpu
+    from lightning_fp8.kernels.kernel_reference import tiled_cast_reference
 
     taken = declined = 0
     for fmt in FORMATS:

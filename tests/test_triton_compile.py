@@ -186,7 +186,7 @@ def adamw_variant(monkeypatch, arch: int, exp_avg_sq_dtype: str = "fp8", aligned
     choice of conversion, through kernels.use_soft_cast). Fake tensors have no addresses, so the per-tensor table is
     a fake one of the real table's shape and dtype, and `aligned` stands for what the addresses and sizes would say
     (the interpreter tests in tests/test_optim.py run the real table)."""
-    from lightning_fp8.optim import FP8AdamW, state as opt_state, triton_adamw
+    from lightning_fp8.optim import FP8AdamW, moment_storage as opt_state, triton_adamw
 
     ws = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(48, 96))]
     with monkeypatch.context() as m:
@@ -271,7 +271,7 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
     import itertools
 
     from lightning_fp8.kernels import triton_scaling
-    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LinearMeta
     from lightning_fp8.recipe import FP8Recipe
 
     def cast_calls():

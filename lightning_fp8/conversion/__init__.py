@@ -10,9 +10,9 @@ from lightning_fp8.conversion.convert import (
     revert_fp8,
 )
 from lightning_fp8.conversion.filters import ModuleFilter, default_skip_reason
-from lightning_fp8.conversion.kinds import LinearKind, register_linear_kind
+from lightning_fp8.conversion.layer_kinds import LinearKind, register_linear_kind
 from lightning_fp8.conversion.shape_filter import AutoShapeFilter, auto_filter, fp8_wins
-from lightning_fp8.conversion.state import fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.conversion.fp8_state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import ConversionSummary, conversion_summary, log_conversion_summary
 
 __all__ = [

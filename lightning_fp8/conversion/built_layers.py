@@ -21,7 +21,7 @@ from torch import nn
 from lightning_fp8.conversion import transplant
 from lightning_fp8.conversion.convert import BUILT_UNDECIDED_ATTR, fp8_layers, plan_conversion
 from lightning_fp8.conversion.filters import ModuleFilter
-from lightning_fp8.conversion.order import NoTrace
+from lightning_fp8.conversion.first_last import NoTrace
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
 

@@ -7,8 +7,8 @@
                             of what convert_to_fp8 would do
 
 Every layer left in high precision gets a recorded reason (`precision_map` reads them back), so a user can always
-answer "why is this layer not in FP8?". Which classes count as linear layers: lightning_fp8/conversion/kinds.py;
-the rules: filters.py; "first" and "last": order.py; what moves with a replaced layer: transplant.py.
+answer "why is this layer not in FP8?". Which classes count as linear layers: lightning_fp8/conversion/layer_kinds.py;
+the rules: filters.py; "first" and "last": first_last.py; what moves with a replaced layer: transplant.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from lightning_fp8.conversion import attention, experts, kinds, transplant
-from lightning_fp8.conversion.block_scope import last_block_reasons
+from lightning_fp8.conversion import torch_transformer, experts, layer_kinds, transplant
+from lightning_fp8.conversion.last_blocks import last_block_reasons
 from lightning_fp8.conversion.filters import (
     FIRST_LAST_SWITCH,
     SKIP_REASON_ATTR,
@@ -30,11 +30,11 @@ from lightning_fp8.conversion.filters import (
     structural_skip_reason,
 )
 from lightning_fp8.conversion.layer_recipes import LayerRecipes, normalize_layer_recipes, recipe_for, warn_unmatched
-from lightning_fp8.conversion.order import AUTO, ExampleCall, LayerOrder, NoTrace, layer_order
-from lightning_fp8.modules.attention import ProjectedMultiheadAttention
-from lightning_fp8.modules.experts import revert_experts
+from lightning_fp8.conversion.first_last import AUTO, ExampleCall, LayerOrder, NoTrace, layer_order
+from lightning_fp8.modules.multihead_attention import ProjectedMultiheadAttention
+from lightning_fp8.modules.grouped_linear import revert_experts
 from lightning_fp8.modules.linear import FP8Layer, casts_input_per_tensor
-from lightning_fp8.modules.tensor_parallel import layout_of
+from lightning_fp8.modules.local_shards import layout_of
 from lightning_fp8.recipe import FP8Recipe
 
 log = logging.getLogger("lightning_fp8")
@@ -101,7 +101,7 @@ def convert_to_fp8(
 
     module_filter(module, fqn) -> bool, if given, replaces the default filter (True: convert); layers that cannot run
     in FP8 as they are used stay in BF16 whatever it says. example_input: an input for one traced forward that finds
-    which layers share an input (the first/last rule, see lightning_fp8/conversion/order.py); by default one is
+    which layers share an input (the first/last rule, see lightning_fp8/conversion/first_last.py); by default one is
     looked for on the model. verbose: log the conversion summary (logger "lightning_fp8") and warn when little or
     nothing converts. Layers already converted are left alone, so converting twice is a no-op. A bare linear layer
     passed as `model` is returned converted (there is no parent to replace it in).
@@ -124,7 +124,7 @@ def convert_to_fp8(
         if reason is not None and not provisional:
             module.__dict__[SKIP_REASON_ATTR] = reason
             continue
-        kind = kinds.linear_kind(module)
+        kind = layer_kinds.linear_kind(module)
         layer_recipe = recipe_for(fqn, recipe, per_layer)
         unsupported = scaling_skip_reason(module, layer_recipe)  # a layer_recipes entry the layer has no path for
         if unsupported is not None:
@@ -140,7 +140,7 @@ def convert_to_fp8(
         else:
             transplant.replace_everywhere(parents, module, new)
     experts.apply_experts_plan(model, experts_plan)  # mixture-of-experts layers: FP8 grouped GEMMs
-    attention.guard_fast_paths(model)
+    torch_transformer.guard_fast_paths(model)
     model.__dict__[CONVERTED_ATTR] = True  # converted even where nothing could convert (precision_map: no preview)
     if verbose:
         from lightning_fp8.conversion.summary import log_conversion_summary
@@ -175,12 +175,12 @@ def plan_conversion(
     for fqn, module in model.named_modules():
         undecided = isinstance(module, FP8Layer) and BUILT_UNDECIDED_ATTR in module.__dict__
         if isinstance(module, FP8Layer) and not undecided:
-            if module.fp8_enabled and kinds.family(module) != experts.EXPERTS_FAMILY:
+            if module.fp8_enabled and layer_kinds.family(module) != experts.EXPERTS_FAMILY:
                 candidates.append(fqn)  # counts for first / last; left as it is
             continue
         if undecided:  # built as an FP8 layer: the rules see the plain layer it stands for
             module = module.to_unconverted()
-        elif kinds.linear_kind(module) is None:
+        elif layer_kinds.linear_kind(module) is None:
             continue
         if fqn in routers:  # a router's logits stay in high precision whatever the filter says
             decisions[fqn] = experts.ROUTER_REASON
@@ -206,7 +206,7 @@ def plan_conversion(
             if fqn in decisions:  # layers converted before keep their precision (converting twice is a no-op)
                 decisions[fqn] = reason
     if module_filter is None and candidates:
-        tail = _tail_reasons(model, candidates, recipe, layer_recipes)  # the last blocks rule (block_scope.py)
+        tail = _tail_reasons(model, candidates, recipe, layer_recipes)  # the last blocks rule (last_blocks.py)
         decisions.update({fqn: reason for fqn, reason in tail.items() if fqn in decisions and fqn not in first_last})
     return decisions
 
@@ -226,18 +226,18 @@ def _tail_reasons(model: nn.Module, candidates: List[str], recipe: FP8Recipe,
 def _plan_with_attention(model: nn.Module, recipe: FP8Recipe, module_filter: Optional[ModuleFilter],
                          example_input: Any, preview: bool = False,
                          layer_recipes: Optional[LayerRecipes] = None) -> Tuple[Dict[str, Optional[str]], list]:
-    """plan_conversion with nn.MultiheadAttention's projections exposed as modules (conversion/attention.py); the
+    """plan_conversion with nn.MultiheadAttention's projections exposed as modules (conversion/torch_transformer.py); the
     attentions none of whose projections would convert are given back as torch's own (the exposed ones stay: the
     caller converts them, or a preview hides them again). Returns the decisions and the attentions exposed."""
-    exposed = attention.expose_projections(model)
+    exposed = torch_transformer.expose_projections(model)
     try:
         decisions = plan_conversion(model, recipe, module_filter, example_input=example_input, preview=preview,
                                     layer_recipes=layer_recipes)
     except BaseException:
         for _, module in exposed:
-            attention.hide_projections(module)
+            torch_transformer.hide_projections(module)
         raise
-    attention.keep_converting_attentions(exposed, decisions)
+    torch_transformer.keep_converting_attentions(exposed, decisions)
     names = {fqn for fqn, _ in model.named_modules()}
     return {fqn: reason for fqn, reason in decisions.items() if fqn in names}, exposed
 
@@ -258,8 +258,8 @@ def revert_fp8(model: nn.Module) -> nn.Module:
             transplant.replace_everywhere(parents, module, transplant.to_unconverted(module))
         else:
             module.__dict__.pop(SKIP_REASON_ATTR, None)
-            module.__dict__.pop(attention.ATTENTION_REASON_ATTR, None)
-    attention.restore(model)
+            module.__dict__.pop(torch_transformer.ATTENTION_REASON_ATTR, None)
+    torch_transformer.restore(model)
     model.__dict__.pop(CONVERTED_ATTR, None)
     model.__dict__.pop(SUMMARY_LOGGED_ATTR, None)
     return model
@@ -295,7 +295,7 @@ def precision_map(
     finally:
         for _, module in exposed:
             if isinstance(module, ProjectedMultiheadAttention):
-                attention.hide_projections(module)
+                torch_transformer.hide_projections(module)
 
 
 def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[str]],
@@ -323,10 +323,10 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
         # FP8 communication needs a layer casting its input per tensor in FP8 (its styles' run-time rule)
         parallel = layout.describe(casts_input_per_tensor(module)) if layout is not None else ""
         if isinstance(module, FP8Layer):
-            label = kinds.label(module)
+            label = layer_kinds.label(module)
             flops = getattr(module, "flops_per_token", module.in_features * module.out_features)
             scaling, recipe_label = module.recipe.scaling, module.recipe.label
-            family = kinds.family(module)
+            family = layer_kinds.family(module)
             if module.fp8_enabled:
                 note = getattr(module, "fp8_escalation_reason", None)
                 reason = f"converted; {note}" if note else "converted"
@@ -337,7 +337,7 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
                 rows.append(LayerPrecision(fqn, "bf16", reason, label, flops, scaling=scaling, family=family,
                                            parallel=parallel, recipe=recipe_label))
             continue
-        kind = kinds.linear_kind(module)
+        kind = layer_kinds.linear_kind(module)
         if kind is not None:
             in_f, out_f = kind.features(module)
             if converted:
@@ -350,7 +350,7 @@ def _precision_rows(model: nn.Module, converted: bool, plan: Dict[str, Optional[
                 rows.append(LayerPrecision(fqn, precision, reason, kind.label, in_f * out_f, preview=True,
                                            family=kind.family, parallel=parallel))
             continue
-        other = kinds.other_module(module)
+        other = layer_kinds.other_module(module)
         if other is not None:
             rows.append(LayerPrecision(fqn, other.precision, other.reason, other.label, other.flops_per_token,
                                        not converted, family=other.family))
@@ -392,7 +392,7 @@ def _first_last_reasons(order: LayerOrder, model: nn.Module) -> Dict[str, str]:
         if not group:
             continue
         module = model.get_submodule(head) if head else model
-        noun = "convolution" if kinds.family(module) == "convolution" else "linear layer"
+        noun = "convolution" if layer_kinds.family(module) == "convolution" else "linear layer"
         for fqn in group:
             if fqn == head:
                 reason = FirstLastReason(f"{which} {noun} kept in BF16 ({FIRST_LAST_SWITCH}; {how})")
@@ -413,7 +413,7 @@ def provisional_layers(model: nn.Module) -> Dict[str, FP8Layer]:
 
 def settle_first_last(model: nn.Module, example_input: Any) -> bool:
     """Decide first / last from one forward on `example_input` (traced on the meta device where the model allows,
-    see conversion/order.py) over the layers conversion counted (FP8 layers computing in FP8, and the provisional
+    see conversion/first_last.py) over the layers conversion counted (FP8 layers computing in FP8, and the provisional
     ones): the first and last groups become their plain classes again with the traced reason (as conversion with an
     example input leaves them), the other provisional layers compute in FP8. Returns whether the trace ran; where it
     fails, the guess stands (`keep_first_last_guess`) with the failure in its reason.
@@ -423,7 +423,7 @@ def settle_first_last(model: nn.Module, example_input: Any) -> bool:
     if not provisional:
         return False
     candidates = [fqn for fqn, layer in fp8_layers(model).items()
-                  if fqn and (layer.fp8_enabled or fqn in provisional) and kinds.family(layer) != experts.EXPERTS_FAMILY]
+                  if fqn and (layer.fp8_enabled or fqn in provisional) and layer_kinds.family(layer) != experts.EXPERTS_FAMILY]
     order = layer_order(model, candidates, example_input)
     if order.method != "traced":
         for layer in provisional.values():

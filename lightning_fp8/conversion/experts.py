@@ -1,7 +1,7 @@
 """Mixture-of-experts layers in conversion: which experts modules take FP8 grouped GEMMs, what stays in high precision
 (routers, experts the rules cannot read) and their rows in the precision map.
 
-The rules for an experts module (lightning_fp8/modules/experts.py `experts_layout`), in order, each giving the reason
+The rules for an experts module (lightning_fp8/modules/grouped_linear.py `experts_layout`), in order, each giving the reason
 it stays in BF16:
 
 - what no filter overrides: an expert GEMM whose dimensions are not multiples of 16 (torch's grouped scaled GEMM
@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, ModuleFilter, filter_reason
 from lightning_fp8.conversion.layer_recipes import recipe_for
-from lightning_fp8.modules.experts import ExpertsLayout, convert_experts, experts_layout, fp8_gemms, grouped_recipe
+from lightning_fp8.modules.grouped_linear import ExpertsLayout, convert_experts, experts_layout, fp8_gemms, grouped_recipe
 from lightning_fp8.recipe import FP8Recipe
 
 ROUTER_REASON = ("router of a mixture-of-experts layer: its logits and top-k choose the experts, so they stay in high "

@@ -8,7 +8,7 @@ Two kinds of rules, each returning the reason a layer stays in BF16 (None: conve
   instance; a parametrization that changes the weight's shape).
 - `scaling_skip_reason`: the layer has no FP8 path for the recipe's scaling (no filter overrides it either).
 - `default_skip_reason`: the default filter on top of those: `FP8Recipe.skip_patterns`, LoRA adapters, and the
-  first / last rule (decided in lightning_fp8/conversion/order.py, over layers that would otherwise convert).
+  first / last rule (decided in lightning_fp8/conversion/first_last.py, over layers that would otherwise convert).
 
 `convert_to_fp8` records every reason on the module so `precision_map` can say why a layer is not in FP8.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from lightning_fp8.conversion import kinds
+from lightning_fp8.conversion import layer_kinds
 from lightning_fp8.conversion.transplant import parametrization_mismatch
 from lightning_fp8.modules.conv_layout import PADDING_MODES
 from lightning_fp8.recipe import FP8Recipe
@@ -38,21 +38,21 @@ FIRST_LAST_SWITCH = "recipe.keep_first_last_in_bf16"
 def structural_skip_reason(module: nn.Module) -> Optional[str]:
     """Reasons no filter can override: the layer cannot run an FP8 GEMM as it is used (None: it can)."""
     if (isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear)
-            and not module.__dict__.get("_fp8_called_as_module")):  # see conversion/attention.py
+            and not module.__dict__.get("_fp8_called_as_module")):  # see conversion/torch_transformer.py
         return "used functionally by nn.MultiheadAttention (its forward never calls the module)"
     if isinstance(module._parameters.get("weight"), nn.parameter.UninitializedParameter):  # (no parametrized read)
         return f"{type(module).__name__} not initialized yet (run one forward before conversion)"
     if "forward" in module.__dict__:
         return ("its forward is replaced on the instance (a wrapper or a library hook, e.g. Accelerate's device-map "
                 "hooks): an FP8 layer would bypass that replacement")
-    kind = kinds.linear_kind(module)
+    kind = layer_kinds.linear_kind(module)
     if kind is not None:
         mismatch = parametrization_mismatch(module, kind.tensor_shapes(module))
         if mismatch is not None:
             return mismatch
         if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # a registered kind's convolution subclass too
             return convolution_skip_reason(module)
-    in_features, out_features = kinds.features(module)
+    in_features, out_features = layer_kinds.features(module)
     if in_features % 16 or out_features % 16:
         return (
             f"in/out features {in_features}x{out_features} are not multiples of 16 "
@@ -83,7 +83,7 @@ def scaling_skip_reason(module: nn.Module, recipe: FP8Recipe) -> Optional[str]:
     (`fp8_scalings`, `fp8_weight_grads`; FP8 convolutions run the per-tensor and the tiled scalings with FP8 weight
     gradients only). Asked of the FP8 class, so a scaling added to
     FP8Recipe later stays out of such layers until they get a path for it, and so does a registered kind's layer."""
-    kind = kinds.linear_kind(module)
+    kind = layer_kinds.linear_kind(module)
     if kind is None:
         return None
     try:
@@ -126,7 +126,7 @@ def default_skip_reason(
     module: nn.Module, fqn: str, recipe: FP8Recipe, is_first: bool = False, is_last: bool = False
 ) -> Optional[str]:
     """Why the default filter keeps this linear in BF16, or None to convert it (`is_first` / `is_last`: whether the
-    layer is in the first / last group, see lightning_fp8/conversion/order.py)."""
+    layer is in the first / last group, see lightning_fp8/conversion/first_last.py)."""
     reason = rule_skip_reason(module, fqn, recipe)
     if reason is not None:
         return reason

@@ -23,7 +23,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from lightning_fp8.conversion import kinds, roofline
+from lightning_fp8.conversion import layer_kinds, roofline
 from lightning_fp8.conversion.filters import SKIP_REASON_ATTR, structural_skip_reason
 from lightning_fp8.recipe import FP8Recipe
 
@@ -175,16 +175,16 @@ class AutoShapeFilter:
         self.decisions: Dict[str, Tuple[bool, str]] = {}
 
     def skip_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
-        if kinds.linear_kind(module) is None:
-            return "not a linear layer conversion knows (lightning_fp8/conversion/kinds.py)"
+        if layer_kinds.linear_kind(module) is None:
+            return "not a linear layer conversion knows (lightning_fp8/conversion/layer_kinds.py)"
         reason = structural_skip_reason(module)
-        if reason is None and kinds.linear_kind(module).family == "convolution":
+        if reason is None and layer_kinds.linear_kind(module).family == "convolution":
             # tokens_per_batch is not a convolution's M (output positions per step, which differ from layer to layer)
             self.decisions[fqn] = (True, CONVOLUTION_NOTE)
             return None
         if reason is None:
             device = self.device if self.device is not None else _device(module)
-            in_features, out_features = kinds.features(module)
+            in_features, out_features = layer_kinds.features(module)
             wins, why = fp8_wins(
                 self.tokens_per_batch, in_features, out_features, device, self.min_speedup, self.compiled,
                 self.recipe,
@@ -224,7 +224,7 @@ def shape_skip_reason(
 ) -> Optional[str]:
     """For `default_skip_reason`: the reason to keep `module` in BF16 on speed grounds, or None to convert it."""
     device = device if device is not None else _device(module)
-    in_features, out_features = kinds.features(module)
+    in_features, out_features = layer_kinds.features(module)
     wins, why = fp8_wins(tokens_per_batch, in_features, out_features, device, min_speedup, compiled, recipe)
     return None if wins else why
 

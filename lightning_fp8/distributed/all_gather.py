@@ -23,7 +23,7 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
 - `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
   compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
   before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight`
-  (lightning_fp8/modules/precast.py): the FP8 layer feeds its data and scale to the forward and dgrad GEMMs without
+  (lightning_fp8/modules/gathered_fp8.py): the FP8 layer feeds its data and scale to the forward and dgrad GEMMs without
   casting again, and every path that does not compute in FP8 with that cast (fp8_autocast(enabled=False),
   fp8_eval=False, a layer FP8LayerFallback moved to BF16, calibration, a recipe override) gets the exact
   high-precision weight through `_HighPrecisionGather`, one all-gather of the shard in FSDP2's param_dtype: what
@@ -36,7 +36,7 @@ other module uses (a tied embedding would read FP8 values). `fp8_all_gather_reas
 Assumes FSDP2's default placement, Shard(0), on a 1-D mesh (HSDP is untested). Under FSDP2 x TP the weight FSDP2
 shards is the tensor-parallel shard (a DTensor's local tensor): the all-gather runs over the data-parallel dimension
 and the gathered weight is that shard, which the FP8 layer's tensor-parallel forward computes with
-(lightning_fp8/modules/tensor_parallel.py).
+(lightning_fp8/modules/local_shards.py).
 """
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ from torch import nn
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import cast_to_fp8
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX
+from lightning_fp8.modules.layer_state import ROLE_INDEX
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.modules.precast import CastKey, PrecastFP8Weight
-from lightning_fp8.modules.tensor_parallel import is_dtensor
+from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Weight
+from lightning_fp8.modules.local_shards import is_dtensor
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.scaling import cast_scale
 from lightning_fp8.recipe import PER_TENSOR_SCALINGS

@@ -10,13 +10,13 @@ float32). Here the forward gather moves FP8 (`gather_in_fp8`):
    its delayed scale when its amax history holds a completed step, else its slice's own amax);
 2. one all-gather moves the FP8 bytes with each rank's scale and amax appended (8 bytes per rank);
 3. every rank holds every slice and every scale. The scales are equal wherever they come from the history: the
-   engine's once-per-iteration MAX all-reduce of all amaxes (lightning_fp8/engine/scales.py, one collective for every
+   engine's once-per-iteration MAX all-reduce of all amaxes (lightning_fp8/engine/step_closer.py, one collective for every
    layer and role) leaves identical histories on every rank, and the gathered amax each rank records is the same.
    Where a rank's scale differs (no completed step yet, or current scaling), every slice is brought to the smallest
    scale, the one the whole tensor's amax gives, so the result is the whole tensor cast with one scale: a slice cast
    with a larger scale is re-rounded (with power-of-two scales, the default, that is exact for every value that stays
    a normal FP8 number). No collective is issued for the scale;
-4. the FP8 layer consumes the gathered bytes as its input operand (`PrecastFP8Input`, lightning_fp8/modules/precast.py)
+4. the FP8 layer consumes the gathered bytes as its input operand (`PrecastFP8Input`, lightning_fp8/modules/gathered_fp8.py)
    for its forward and weight-gradient GEMMs, and records the gathered amax into its history, as its own cast would.
 
 Backward reduce-scatters the input gradient in the gradient's dtype, or in FP8 with `gradient_communication="fp8"`
@@ -26,7 +26,7 @@ sum). The row-wise layer's output reduce-scatter (forward) has an FP8 variant of
 
 A gathered input may only be read by column-wise FP8 layers (`FP8ColwiseParallel`): their input gradients are partial
 sums, which is what the backward reduce-scatter adds up. Any other reader gets an error naming the cause
-(lightning_fp8/modules/tensor_parallel.py, lightning_fp8/modules/precast.py). A layer that does not compute in FP8 with
+(lightning_fp8/modules/local_shards.py, lightning_fp8/modules/gathered_fp8.py). A layer that does not compute in FP8 with
 the gathered cast (BF16 fallback, a recipe override, calibration) gets the exact high-precision input instead, from a
 second all-gather in high precision.
 """
@@ -42,8 +42,8 @@ import torch.distributed as dist
 from lightning_fp8.distributed.comm_hook import FP8CommState
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
 from lightning_fp8.modules.cast import cast_to_fp8
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX
-from lightning_fp8.modules.precast import CastKey, PrecastFP8Input
+from lightning_fp8.modules.layer_state import ROLE_INDEX
+from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Input
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale

@@ -26,10 +26,10 @@ checkpoints and optimizers see what torch's styles produce. What differs:
   input that is already replicated);
 - they leave the FP8 layer's metadata alone (torch's styles make its buffers replicated DTensors, which the plugins
   and the layer's forward turn back into local tensors; torch's RowwiseParallel would shard a `weight` of every
-  submodule, which lightning_fp8.modules.tensor_parallel makes it skip for the FP8 metadata).
+  submodule, which lightning_fp8.modules.local_shards makes it skip for the FP8 metadata).
 
 torch's own styles split FP8 layers too, before or after conversion, with every collective in high precision (the
-layer computes in FP8 on its local shards all the same: lightning_fp8/modules/tensor_parallel.py).
+layer computes in FP8 on its local shards all the same: lightning_fp8/modules/local_shards.py).
 
 `gradient_communication=None` (the default) follows the FP8 plugin's `gradient_communication` once the plugin sets the
 model up ("bf16" without a plugin). The FP8 paths apply where the layer computes in FP8 with a per-tensor recipe;
@@ -57,8 +57,8 @@ from lightning_fp8.distributed.sequence_parallel import (
 )
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.modules.precast import CastKey, PrecastFP8Input
-from lightning_fp8.modules.tensor_parallel import LAYOUT_ATTR, TensorParallelLayout, localize_fp8_state
+from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Input
+from lightning_fp8.modules.local_shards import LAYOUT_ATTR, TensorParallelLayout, localize_fp8_state
 
 #: set on a module by the styles below: the list of styles applied to it (the plugins resolve their communication)
 STYLES_ATTR = "_fp8_tensor_parallel_styles"

@@ -1,7 +1,7 @@
 """StabilityConfig: the knobs of loss scaling, skipping and rollback, validated once.
 
 Every adapter takes each of these fields as an option of the same name and default (the options are the parameters
-of `FP8PrecisionCore.__init__`, lightning_fp8/integrations/_core.py); `StabilityConfig.from_options` picks them out.
+of `FP8PrecisionCore.__init__`, lightning_fp8/integrations/plugin_core.py); `StabilityConfig.from_options` picks them out.
 """
 from __future__ import annotations
 

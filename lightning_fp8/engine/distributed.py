@@ -23,7 +23,7 @@ from typing import Callable, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_fp8.engine.host import to_host
+from lightning_fp8.engine.host_reads import to_host
 
 #: how long `all_reduce_max_` waits for the backend's worker thread to release the reduced buffer
 RELEASE_TIMEOUT_S = 1.0

@@ -14,7 +14,7 @@ backward(s) that produced the gradients, then one step of each optimizer. Adapte
 
 The first `step` of an iteration decides for all its optimizers: unscale every gradient the iteration produced (the
 model's and every registered optimizer's; gradients.py), check them, the loss, the FP8 amaxes and the weights the
-previous step wrote, all on the device, all-reduce the flags once and read them once (checks.py `IterationFlags`: the
+previous step wrote, all on the device, all-reduce the flags once and read them once (iteration_checks.py `IterationFlags`: the
 iteration's one device-to-host read), then step or skip; the other optimizers reuse the decision. The iteration
 closes once, when every registered optimizer has stepped or at the next boundary above: loss-scale update, every
 layer's scaling step closed (taken or not), the iteration counted, the weights checked on the device (read at the
@@ -28,7 +28,7 @@ Rollback to the last snapshot happens at the decision for a non-finite loss, a l
 so no optimizer steps from them; at the close of a snapshot's iteration; at `settle`, before a checkpoint); too many
 rollbacks in a window raise FP8DivergenceError naming the layers whose amax overflowed. A rollback restores the
 model, every registered optimizer and LR scheduler, and the loss scaler (snapshot.py). The parts that stand alone
-live in gradients.py, checks.py, rollback.py and snapshot.py.
+live in gradients.py, iteration_checks.py, rollback.py and snapshot.py.
 """
 from __future__ import annotations
 
@@ -45,15 +45,15 @@ from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.distributed.all_gather import precompute_fp8_weight_amaxes
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.engine import clipping, rollback
-from lightning_fp8.engine.checks import IterationFlags, LossRecord, weights_finite, weights_nonfinite
+from lightning_fp8.engine.iteration_checks import IterationFlags, LossRecord, weights_finite, weights_nonfinite
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.gradients import GradientUnscaler, iteration_params
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, SnapshotKeeper
-from lightning_fp8.engine.scales import ModelScales
+from lightning_fp8.engine.step_closer import ModelScales
 from lightning_fp8.engine.snapshot import optimizer_params
 from lightning_fp8.modules.linear import FP8Linear
-from lightning_fp8.modules.tensor_parallel import localize_fp8_state
+from lightning_fp8.modules.local_shards import localize_fp8_state
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.state_format import FORMAT_VERSION_KEY, format_version
 

@@ -42,10 +42,10 @@ from lightning_fp8.distributed.reduce_scatter import enable_fp8_reduce_scatter
 from lightning_fp8.distributed.sharding import check_convertible, is_fsdp_sharded
 from lightning_fp8.distributed.tensor_parallel import follow_plugin_communication
 from lightning_fp8.integrations.linear_builder import suspended
-from lightning_fp8.modules.tensor_parallel import localize_fp8_state
+from lightning_fp8.modules.local_shards import localize_fp8_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
 #: set on a module whose gradient communication this package configured (DDP allows one comm hook per model)
 _REGISTERED_ATTR = "_lightning_fp8_gradient_communication"

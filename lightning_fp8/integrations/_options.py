@@ -1,7 +1,7 @@
 """What each FP8 option may be: the validation every adapter runs, written once.
 
 The options themselves (names, types, defaults, what each does) are the parameters of `FP8PrecisionCore.__init__`
-(lightning_fp8/integrations/_core.py); the records built from that signature (`FP8Options`, Accelerate's `FP8Kwargs`)
+(lightning_fp8/integrations/plugin_core.py); the records built from that signature (`FP8Options`, Accelerate's `FP8Kwargs`)
 are validated here, where the user wrote the values, with an error naming the valid choices.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rank-zero logging without a framework, for the parts of the adapters that import none (`FP8PrecisionCore`, the
 Accelerate adapter). The Lightning and Fabric plugins log through Lightning's rank-zero utilities instead
-(`FP8PrecisionCore._rank_zero_info` / `_rank_zero_warn`, overridden in integrations/fabric.py)."""
+(`FP8PrecisionCore._rank_zero_info` / `_rank_zero_warn`, overridden in integrations/fabric_plugin.py)."""
 from __future__ import annotations
 
 import logging

@@ -17,14 +17,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 from lightning_fp8.integrations.linear_builder import set_fp8_all_gather
 from lightning_fp8.integrations._distributed import (
     prepare_for_sharding,
     register_gradient_communication,
     release_unsharded,
 )
-from lightning_fp8.integrations.fabric import FP8Precision as FabricFP8Precision
+from lightning_fp8.integrations.fabric_plugin import FP8Precision as FabricFP8Precision
 
 
 class FP8Precision(Precision, FabricFP8Precision):

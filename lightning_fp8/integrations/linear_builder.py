@@ -42,10 +42,10 @@ from lightning_fp8.distributed.all_gather import (
 )
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.modules.linear import FP8Layer, FP8Linear
-from lightning_fp8.modules.tensor_parallel import is_dtensor
+from lightning_fp8.modules.local_shards import is_dtensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_fp8.integrations._core import FP8PrecisionCore
+    from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
 #: why the first / last rule was applied in module order to layers decided after sharding
 AFTER_SHARDING_NOTE = ("the layers were built and sharded inside configure_model, where a traced forward would run "

@@ -12,7 +12,7 @@ import torch
 
 from lightning_fp8 import kernels
 from lightning_fp8.kernels.device import profile_of
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX, RoleState, stochastic_rounding_state
+from lightning_fp8.modules.layer_state import ROLE_INDEX, RoleState, stochastic_rounding_state
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.formats import FP8Format
@@ -159,7 +159,7 @@ class GroupedCaster(Caster):
         super().__init__(recipe)
         if recipe.scaling != "rowwise":
             raise ValueError(f"grouped FP8 GEMMs cast rowwise; got FP8Recipe(scaling={recipe.scaling!r}) "
-                             "(lightning_fp8/modules/experts.py `grouped_recipe` derives an experts layer's recipe)")
+                             "(lightning_fp8/modules/grouped_linear.py `grouped_recipe` derives an experts layer's recipe)")
         self.offsets = offsets
 
     def cast(self, x, history, role, record, layouts=(True, False), pad_to=1, history_sized=False, generator=None):

@@ -25,8 +25,8 @@ from torch import nn
 from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.conv_function import fine_grained_conv, per_tensor_conv
 from lightning_fp8.modules.conv_layout import ConvGeometry, is_channels_last
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX
-from lightning_fp8.modules.function import GemmConfig
+from lightning_fp8.modules.layer_state import ROLE_INDEX
+from lightning_fp8.modules.linear_gemms import GemmConfig
 from lightning_fp8.modules.linear import FP8Layer, _output_dtype
 from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
 

@@ -46,7 +46,7 @@ from lightning_fp8.modules.conv_layout import (
     weight_from_matrix,
     weight_matrix,
 )
-from lightning_fp8.modules.function import GemmConfig, linear_gemms
+from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.gemm import fp8_gemm, scaled_mm_supported
 from lightning_fp8.modules.operand import FP8Matrix
 from lightning_fp8.recipe import FP8Recipe
@@ -110,7 +110,7 @@ class FP8ConvGemms(torch.autograd.Function):
             w_scale,
             w_scale_inv,
         )
-        ctx.history = history  # the live state, not a saved value (see function.py)
+        ctx.history = history  # the live state, not a saved value (see linear_gemms.py)
         return out.view(n, out_hw[0], out_hw[1], out.shape[1]).permute(0, 3, 1, 2)
 
     @staticmethod

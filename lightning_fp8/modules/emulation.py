@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from lightning_fp8.kernels.cpu import memory_bound_threads
+from lightning_fp8.kernels.cpu_kernels import memory_bound_threads
 from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.operand import FP4, GemmOperands
 from lightning_fp8.numerics import microscaling

@@ -7,7 +7,7 @@ instance of `Conv1D`, and hands the FP8 path `weight.t()`, a view (no copy), so 
 GEMM computes flows back into the real Parameter through the transpose.
 
 transformers is not a dependency of lightning-fp8: this module is imported by conversion only when a model holds a
-`Conv1D` (lightning_fp8/conversion/kinds.py), which means transformers is already imported. `FP8Conv1D` is None where
+`Conv1D` (lightning_fp8/conversion/layer_kinds.py), which means transformers is already imported. `FP8Conv1D` is None where
 transformers cannot be imported.
 """
 from __future__ import annotations

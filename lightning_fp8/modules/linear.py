@@ -2,7 +2,7 @@
 
 A training forward of an FP8 layer dispatches: [the lazy close of its scaling step, without an engine], the cast of
 x, the cast of W (each one `lightning_fp8::scaled_cast` op that reads and updates the scaling state on the device),
-and the forward GEMM inside the one autograd function (lightning_fp8/modules/function.py), whose backward casts the
+and the forward GEMM inside the one autograd function (lightning_fp8/modules/linear_gemms.py), whose backward casts the
 gradient, re-casts W with the forward's scale and runs the two gradient GEMMs. No host synchronisation, no Python
 state changed per call, so `torch.compile` traces a converted model as one graph.
 """
@@ -17,16 +17,16 @@ from torch import nn
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import caster_for
-from lightning_fp8.modules.fp8_meta import ROLE_INDEX, FP8LinearMeta, report_restarted_scaling
-from lightning_fp8.modules.function import GemmConfig, linear_gemms
+from lightning_fp8.modules.layer_state import ROLE_INDEX, FP8LinearMeta, report_restarted_scaling
+from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
-from lightning_fp8.modules.precast import (
+from lightning_fp8.modules.gathered_fp8 import (
     PrecastFP8Input,
     PrecastFP8Weight,
     observed_weight,
     resolve_precast,
 )
-from lightning_fp8.modules.tensor_parallel import is_dtensor, parallel_forward, refuse_gathered_input
+from lightning_fp8.modules.local_shards import is_dtensor, parallel_forward, refuse_gathered_input
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
 
@@ -141,7 +141,7 @@ class FP8Layer(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.fp8_weight()
-        if is_dtensor(weight):  # tensor parallelism: the FP8 forward on the local shards (modules/tensor_parallel.py)
+        if is_dtensor(weight):  # tensor parallelism: the FP8 forward on the local shards (modules/local_shards.py)
             return parallel_forward(self, x, weight, self.bias, self._forward_on)
         refuse_gathered_input(x, self, "is not tensor-parallel")
         return self._forward_on(x, weight, self.bias)

@@ -667,7 +667,7 @@ def _plan_grouped(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scale
                        "CUTLASS grouped kernel is built for sm90, and for sm100 from torch 2.14)")
     if a.data.dtype != E4M3 or b.data.dtype != E4M3:
         return Refusal("torch's grouped scaled GEMM takes e4m3 operands only (the experts' recipe casts every role "
-                       "to e4m3: lightning_fp8/modules/experts.py)")
+                       "to e4m3: lightning_fp8/modules/grouped_linear.py)")
     if operands.out_dtype != torch.bfloat16:
         return Refusal(f"torch's grouped scaled GEMM writes bf16 only; this GEMM's output is "
                        f"{_dtype_names([operands.out_dtype])} (train under BF16 autocast)")

@@ -2,8 +2,8 @@
 
 Memory per parameter, optimizer state only (the fp32 parameter is the master weight and is not state):
 torch.optim.AdamW keeps 8 bytes; FP8AdamW keeps 1 + 2 bytes (+ 8 / block_size for the two block scales) with the
-default FP16 second moment, 1 + 1 (+ 8 / block_size) with exp_avg_sq_dtype="fp8". See state.py for the layout
-and why each format was chosen, reference.py for the step.
+default FP16 second moment, 1 + 1 (+ 8 / block_size) with exp_avg_sq_dtype="fp8". See moment_storage.py for the layout
+and why each format was chosen, adamw_reference.py for the step.
 
 master_weights="bf16" / "fp16" keeps no fp32 copy at all: the parameters themselves are stored in that dtype
 (cast in place when the optimizer takes them) and each update is written with stochastic rounding, so updates
@@ -20,11 +20,11 @@ from torch.optim import Optimizer
 
 from lightning_fp8.kernels import triton_enabled_for
 from lightning_fp8.kernels.device import runs_cuda_paths
-from lightning_fp8.optim import state as _state
-from lightning_fp8.optim.reference import adamw_step_
+from lightning_fp8.optim import moment_storage as _state
+from lightning_fp8.optim.adamw_reference import adamw_step_
 from lightning_fp8.optim.rounding import noise_seed, seeded_generator
 from lightning_fp8.optim.sharded import adopt_sharded_state, init_sharded_state, is_sharded, sharded_step_
-from lightning_fp8.optim.state import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
+from lightning_fp8.optim.moment_storage import EXP_AVG_SQ_DTYPES, adopt_state, init_state, is_compressed
 from lightning_fp8.state_format import format_version, stamped
 
 MASTER_WEIGHTS = ("fp32", "bf16", "fp16")
@@ -64,7 +64,7 @@ class FP8AdamW(Optimizer):
             CUDA float32 parameters with an fp16/fp8 second moment; other parameters use the reference).
 
     Non-finite gradients are not checked (no host sync per step): the training engine does not call `step()`
-    on a step whose gradients are not finite. See reference.py. Sharded parameters (FSDP2's DTensors) are stepped
+    on a step whose gradients are not finite. See adamw_reference.py. Sharded parameters (FSDP2's DTensors) are stepped
     on their local shards with sharded state that distributed checkpoints save and load (sharded.py).
     """
 

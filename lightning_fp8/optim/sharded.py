@@ -27,8 +27,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from lightning_fp8.optim.reference import adamw_step_
-from lightning_fp8.optim.state import (
+from lightning_fp8.optim.adamw_reference import adamw_step_
+from lightning_fp8.optim.moment_storage import (
     State,
     is_compressed,
     new_step_counter,
@@ -77,7 +77,7 @@ class RowPaddedMoments:
 
 
 def _flat(state: State) -> State:
-    """The state with its compressed tensors as flat views (what state.py's flat code reads and writes in place)."""
+    """The state with its compressed tensors as flat views (what moment_storage.py's flat code reads and writes in place)."""
     return {k: (v.reshape(-1) if k in _COMPRESSED_KEYS and torch.is_tensor(v) else v) for k, v in state.items()}
 
 

@@ -48,10 +48,10 @@ import triton
 import triton.language as tl
 
 from lightning_fp8.kernels import use_soft_cast
-from lightning_fp8.kernels.launch import announce, device_guard
+from lightning_fp8.kernels.device_launch import announce, device_guard
 from lightning_fp8.kernels.triton_cast import _fp8_code, _fp8_value, format_constexprs
 from lightning_fp8.numerics.formats import E4M3
-from lightning_fp8.optim import state as _state
+from lightning_fp8.optim import moment_storage as _state
 from lightning_fp8.optim.blockwise import FP16_STORAGE
 
 

@@ -42,7 +42,7 @@ from support.torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_layers, fp8_state_dict, precision_map  # noqa: E402
 from lightning_fp8.distributed import fp8_all_gather_reason, uses_fp8_all_gather  # noqa: E402
-from lightning_fp8.modules.precast import PrecastFP8Weight  # noqa: E402
+from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight  # noqa: E402
 
 OUT = sys.argv[1]
 NPROC = int(sys.argv[2]) if len(sys.argv) > 2 else 2

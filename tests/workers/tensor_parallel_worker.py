@@ -237,7 +237,7 @@ def gather_scales():
     from lightning_fp8.distributed.sequence_parallel import InputCast, SequenceComm, gather_in_fp8
     from lightning_fp8.modules.cast import cast_to_fp8
     from lightning_fp8.modules.linear import FP8Linear
-    from lightning_fp8.modules.precast import CastKey
+    from lightning_fp8.modules.gathered_fp8 import CastKey
     from lightning_fp8.numerics.formats import E4M3
     from lightning_fp8.numerics.scaling import scale_from_amax
 

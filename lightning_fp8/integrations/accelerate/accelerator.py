@@ -24,7 +24,7 @@ When mixed precision does not resolve to "fp8" the class is `accelerate.Accelera
 
 `accelerate launch --mixed_precision fp8` itself refuses to start when none of Accelerate's FP8 backends is
 installed (the launcher checks before it runs the script). `python -m lightning_fp8.accelerate launch ...` is
-`accelerate launch` with that one check satisfied by this engine (launch.py).
+`accelerate launch` with that one check satisfied by this engine (launcher.py).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_fp8.engine import clipping
 from lightning_fp8.engine.engine import FP8TrainingEngine
-from lightning_fp8.integrations._core import EngineCounters, FP8PrecisionCore
+from lightning_fp8.integrations.plugin_core import EngineCounters, FP8PrecisionCore
 from lightning_fp8.integrations._distributed import convert_for_fsdp, register_gradient_communication
 from lightning_fp8.integrations.accelerate import fp8_config, plain, precision_source
 from lightning_fp8.integrations.accelerate.checkpoint import FP8CheckpointState

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 
 CHECKPOINT_FORMAT = "lightning_fp8.accelerate/1"
 

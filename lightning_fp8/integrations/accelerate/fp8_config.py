@@ -3,11 +3,11 @@ for lightning_fp8's engine: what maps onto its options is honoured, the rest is 
 
 How the settings reach a training process: `accelerate launch` copies the config file's `fp8_config` keys (and the
 `--fp8_*` flags) to `args.fp8_<key>` and exports each as an environment variable `ACCELERATE_FP8_<KEY>`
-(`accelerate/utils/launch.py`, `setup_fp8_env`); Accelerate's own `TERecipeKwargs` / `FP8RecipeKwargs` /
+(`accelerate/utils/launcher.py`, `setup_fp8_env`); Accelerate's own `TERecipeKwargs` / `FP8RecipeKwargs` /
 `AORecipeKwargs` / `MSAMPRecipeKwargs` read them back in the process (`accelerate/utils/dataclasses.py`). Accelerate's
 launcher exports *every* `--fp8_*` flag, its defaults included (`FORMAT=HYBRID`, `AMAX_HISTORY_LEN=1024`, ...), so a
 process cannot tell a value the user chose from a default; `python -m lightning_fp8.accelerate launch` therefore
-exports only the fields the config file or the command line gave (`explicit_fp8_args`, called by launch.py), and
+exports only the fields the config file or the command line gave (`explicit_fp8_args`, called by launcher.py), and
 everything `ACCELERATE_FP8_*` in a process is then something someone asked for.
 
 The mapping (`read_launch_config`):

@@ -1,7 +1,7 @@
 """FP8Kwargs: the FP8 options of `FP8Accelerator(kwargs_handlers=[FP8Kwargs(...)])`.
 
 Its fields are generated from the one definition of the options, the parameters of `FP8PrecisionCore.__init__`
-(lightning_fp8/integrations/_core.py): the names, types and defaults of the Lightning and Fabric plugins' arguments,
+(lightning_fp8/integrations/plugin_core.py): the names, types and defaults of the Lightning and Fabric plugins' arguments,
 validated by the same function (`_options.validate_options`). It is an `accelerate.utils.KwargsHandler`, as
 Accelerate's own handlers are.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from accelerate.utils import KwargsHandler
 
-from lightning_fp8.integrations._core import FP8PrecisionCore, option_values, options_dataclass
+from lightning_fp8.integrations.plugin_core import FP8PrecisionCore, option_values, options_dataclass
 from lightning_fp8.integrations._options import validate_options
 
 

@@ -16,7 +16,7 @@ engine; any other value makes the FP8 class behave as its base class, and, since
 `accelerate.Accelerator`, with a warning that lightning_fp8 is not the one running FP8.
 
 Who installs it:
-    python -m lightning_fp8.accelerate launch --mixed_precision fp8 train.py   each launched process (launch.py)
+    python -m lightning_fp8.accelerate launch --mixed_precision fp8 train.py   each launched process (launcher.py)
     lightning_fp8.accelerate.enable_fp8()                                      one line in a script run otherwise
                                                                                 (python, torchrun, accelerate launch)
 

@@ -1,6 +1,6 @@
-"""CPU kernels: what the custom ops run on CPU tensors, as fast as eager torch allows, bit-exact with `reference.py`.
+"""CPU kernels: what the custom ops run on CPU tensors, as fast as eager torch allows, bit-exact with `kernel_reference.py`.
 
-`reference.py` composes `lightning_fp8.numerics` and is the definition; on CPU (the emulation every test, CI run and
+`kernel_reference.py` composes `lightning_fp8.numerics` and is the definition; on CPU (the emulation every test, CI run and
 demo uses) its cost is dominated by dispatch: a cast of a small tensor is dozens of tiny tensor operations on 0-d
 scales. These twins compute the same bits with less:
 
@@ -32,7 +32,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from lightning_fp8.kernels.reference import fast_amax
+from lightning_fp8.kernels.kernel_reference import fast_amax
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize
 from lightning_fp8.numerics.tiles import amax_of_tiles, tile_extent, tile_scales, times_tiles, transposed
@@ -188,7 +188,7 @@ def scaled_cast_cpu(
     stochastic: bool = False,
     record: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU twin of `reference.scaled_cast_reference`: (x_fp8, scale, scale_inv), the same history write."""
+    """The CPU twin of `kernel_reference.scaled_cast_reference`: (x_fp8, scale, scale_inv), the same history write."""
     row = history[role].tolist()
     past = row[1:]
     sized_by_history = scaling == "delayed" and (max(past) if algo_max else past[0]) > 0
@@ -222,7 +222,7 @@ def cast_cpu(
     write_t: bool,
     compute_amax: bool,
 ) -> Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]]:
-    """The CPU twin of `reference.cast_reference` for nearest rounding with a scalar scale (a weight re-cast in
+    """The CPU twin of `kernel_reference.cast_reference` for nearest rounding with a scalar scale (a weight re-cast in
     backward with the forward's scale): the amax first, and when it shows nothing saturates, the scaled values cast
     without `quantize`'s clamp; without an amax to return, a float32 x whose cast saturates like the clamp is cast
     directly. None where it does not apply (the caller runs the reference)."""
@@ -274,7 +274,7 @@ def tiled_cast_cpu(
     *,
     record: bool = True,
 ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
-    """The CPU twin of `reference.tiled_cast_reference` for nearest rounding when the tiles divide the tensor (the
+    """The CPU twin of `kernel_reference.tiled_cast_reference` for nearest rounding when the tiles divide the tensor (the
     usual case: 128-aligned layers): x blocked by a view and multiplied by its tiles' scales by broadcasting instead
     of scales expanded to every element; x^T cast on x with the transposed tiling, then transposed as FP8 bytes; |x|
     computed once for both tilings. None where it does not apply (ragged tiles, a saturating or non-finite tile):

@@ -11,7 +11,7 @@ without "_proj" (`gate_up` / `up`, `down`), an FP8 layer like any other (its own
 monitoring, checkpoint entries), which reads its weight from the parent at each call. The module's forward is then
 `fp8_experts_forward` (transformers' ExpertsInterface entry "lightning_fp8", selected on the module through its own
 copy of the config): the same routing as transformers' grouped_mm implementation, with the two GEMMs run by those
-layers. Each GEMM is one `lightning_fp8::fp8_gemm` with the experts' offsets (modules/function.py), cast by the grouped
+layers. Each GEMM is one `lightning_fp8::fp8_gemm` with the experts' offsets (modules/linear_gemms.py), cast by the grouped
 caster (modules/cast.py): rowwise, per token row and per expert output column (numerics/groups.py), the scaling
 torch's grouped scaled GEMM takes. The router's logits and top-k are the module's caller's and stay in high precision.
 
@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from lightning_fp8.modules.cast import caster_for
-from lightning_fp8.modules.function import GemmConfig, linear_gemms
+from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.linear import FP8Layer, _output_dtype
-from lightning_fp8.modules.precast import observed_weight
-from lightning_fp8.modules.tensor_parallel import is_dtensor
+from lightning_fp8.modules.gathered_fp8 import observed_weight
+from lightning_fp8.modules.local_shards import is_dtensor
 from lightning_fp8.numerics.groups import group_of_rows
 from lightning_fp8.recipe import FP8Recipe
 
@@ -178,7 +178,7 @@ class FP8GroupedLinear(FP8Layer, nn.Module):
 
     def fp8_forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,  # type: ignore[override]
                     training: bool, observer, offsets: Tensor) -> Tensor:
-        """The casts (grouped caster) and the three grouped GEMMs (modules/function.py with offsets)."""
+        """The casts (grouped caster) and the three grouped GEMMs (modules/linear_gemms.py with offsets)."""
         if observer is not None:
             observer("input", observed_weight(x))
             observer("weight", observed_weight(weight))

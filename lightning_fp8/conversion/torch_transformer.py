@@ -2,7 +2,7 @@
 transformer encoder's fast path kept off where they compute in FP8.
 
     expose_projections(model)      every nn.MultiheadAttention (or subclass keeping its forward) becomes a
-                                   ProjectedMultiheadAttention in place (lightning_fp8/modules/attention.py): same
+                                   ProjectedMultiheadAttention in place (lightning_fp8/modules/multihead_attention.py): same
                                    object, Parameters and state_dict keys; q_proj / k_proj / v_proj / out_proj are
                                    then linear layers conversion can decide on like any other
     hide_projections(attention)    undo it for one attention (conversion does so where none of its projections
@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 
 from torch import nn
 
-from lightning_fp8.modules.attention import (
+from lightning_fp8.modules.multihead_attention import (
     PROJECTION_NAMES,
     FastPathFree,
     ProjectedMultiheadAttention,
@@ -101,7 +101,7 @@ def keep_converting_attentions(changed: List[Tuple[str, nn.MultiheadAttention]],
 def shared_input_projections(model: nn.Module) -> List[List[str]]:
     """The input projections of each projected nn.MultiheadAttention of `model` that read one tensor, as groups of
     fully qualified names (q_proj, k_proj, v_proj order), for the first/last rule without a traced forward
-    (conversion/order.py):
+    (conversion/first_last.py):
 
     - a self-attention (kdim == vdim == embed_dim, the packed in_proj_weight; how nn.TransformerEncoderLayer's
       `self_attn`, a ViT's or a GPT's attention is used: `attn(x, x, x)`): q, k and v;

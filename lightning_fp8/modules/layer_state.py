@@ -44,7 +44,7 @@ class FP8LinearMeta(nn.Module):
         self.register_buffer("clip_count", torch.zeros(n, dtype=torch.int64, device=device))
         self.register_buffer("enabled", torch.ones((), dtype=torch.bool, device=device))
         #: per role, whether the amax history is known to size a delayed scale: host-side knowledge, no buffer. The
-        #: engine learns it with its once-per-iteration flags (engine/scales.py); a delayed cast then skips its amax
+        #: engine learns it with its once-per-iteration flags (engine/step_closer.py); a delayed cast then skips its amax
         #: pre-pass (kernels/ops.py `scaled_cast`). False, the safe default (a pre-pass), whenever the history may
         #: have been replaced: a reset, a load, a recipe change, a rollback
         self.history_sized: List[bool] = [False] * n

@@ -23,7 +23,7 @@ How the order and the groups are found:
   (`sibling_groups`): the q, k and v projections of one attention, by their names (`q` / `k` / `v`, `q_proj` /
   `k_proj` / `v_proj`, `wq` / `wk` / `wv`, `query` / `key` / `value`, `to_q` / ..., any names under one parent that
   differ only in that token), a gated MLP's `gate_proj` / `up_proj`, and nn.MultiheadAttention's input projections
-  (conversion/attention.py knows which of them share the input). A group stands where its first layer is registered
+  (conversion/torch_transformer.py knows which of them share the input). A group stands where its first layer is registered
   for "first", and where its last one is for "last".
 
 "Last" is the group of the last layer in forward (or module) order, whatever position the group's first layer has.
@@ -197,14 +197,14 @@ def sibling_groups(model: nn.Module, names: List[str]) -> Tuple[Dict[str, List[s
     """Layers among `names` (in module order) known to read the same input without tracing a forward: ({layer: its
     group, in module order} for every layer in a group of two or more, {layer: how the sharing is known}).
 
-    - nn.MultiheadAttention's projections: as conversion/attention.py says (`shared_input_projections`);
+    - nn.MultiheadAttention's projections: as conversion/torch_transformer.py says (`shared_input_projections`);
     - siblings (one parent) whose names differ only in a role token of one family of ROLE_FAMILIES: `q_proj` /
       `k_proj` / `v_proj`, `wq` / `wk` / `wv`, `query` / `key` / `value`, `to_q` / `to_k` / `to_v`, `gate_proj` /
       `up_proj`. A name holding two role tokens (a fused `query_key_value`) is a layer of its own.
     Names say what a layer is meant to read; a cross-attention's k and v read another tensor than its q, which only a
     traced forward sees (such a block is neither first nor last in the models seen so far)."""
-    from lightning_fp8.conversion.attention import shared_input_projections
-    from lightning_fp8.modules.attention import ProjectedMultiheadAttention
+    from lightning_fp8.conversion.torch_transformer import shared_input_projections
+    from lightning_fp8.modules.multihead_attention import ProjectedMultiheadAttention
 
     wanted = set(names)
     groups: List[List[str]] = []
@@ -218,7 +218,7 @@ def sibling_groups(model: nn.Module, names: List[str]) -> Tuple[Dict[str, List[s
     for fqn in names:
         parent, _, leaf = fqn.rpartition(".")
         if isinstance(model.get_submodule(parent) if parent else model, ProjectedMultiheadAttention):
-            continue  # an nn.MultiheadAttention's projections: attention.py said which share the input
+            continue  # an nn.MultiheadAttention's projections: torch_transformer.py said which share the input
         tokens = leaf.lower().split("_")
         roles = [(i, token) for i, token in enumerate(tokens) if token in _ROLE_OF]
         if len(roles) != 1:

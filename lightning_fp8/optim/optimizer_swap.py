@@ -22,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fp8.optim.adamw import FP8_GROUP_KEYS, TORCH_IMPL_KEYS, FP8AdamW
-from lightning_fp8.optim.state import adopt_state
+from lightning_fp8.optim.moment_storage import adopt_state
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 

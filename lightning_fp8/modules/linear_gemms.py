@@ -27,7 +27,7 @@ import torch
 from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.gemm import fp8_gemm, high_precision_gemm
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
-from lightning_fp8.modules.precast import PrecastFP8Weight
+from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight
 from lightning_fp8 import kernels
 from lightning_fp8.numerics.tiles import operand_tiles
 from lightning_fp8.recipe import FP8Recipe

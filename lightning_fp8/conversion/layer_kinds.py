@@ -5,8 +5,8 @@ layer that replaces it:
 
     nn.Linear                        -> FP8Linear  (lightning_fp8/modules/linear.py)
     transformers.pytorch_utils.Conv1D -> FP8Conv1D (lightning_fp8/modules/hf_conv1d.py), GPT-2's projections
-    MultiheadAttentionProjection     -> FP8MultiheadAttentionProjection (lightning_fp8/modules/attention.py): the q, k
-                                        and v rows of an nn.MultiheadAttention made a module (conversion/attention.py)
+    MultiheadAttentionProjection     -> FP8MultiheadAttentionProjection (lightning_fp8/modules/multihead_attention.py): the q, k
+                                        and v rows of an nn.MultiheadAttention made a module (conversion/torch_transformer.py)
     nn.Conv1d / nn.Conv2d            -> FP8Conv1d / FP8Conv2d (lightning_fp8/modules/conv.py): one GEMM per group
                                         over the unfolded input; their `family` is "convolution"
 
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_fp8.modules.conv import FP8ConvNd
-from lightning_fp8.modules.experts import FP8GroupedLinear
+from lightning_fp8.modules.grouped_linear import FP8GroupedLinear
 from lightning_fp8.modules.linear import FP8Layer
 from lightning_fp8.recipe import FP8Recipe
 
@@ -120,8 +120,8 @@ HF_CONV1D = LinearKind(
 )
 MHA_PROJECTION = LinearKind(
     label="nn.MultiheadAttention projection",
-    source="lightning_fp8.modules.attention.MultiheadAttentionProjection",
-    fp8_class="lightning_fp8.modules.attention:FP8MultiheadAttentionProjection",
+    source="lightning_fp8.modules.multihead_attention.MultiheadAttentionProjection",
+    fp8_class="lightning_fp8.modules.multihead_attention:FP8MultiheadAttentionProjection",
     features=lambda m: (m.in_features, m.out_features),
     build=lambda cls, m, recipe: cls.from_projection(m, recipe),
 )

@@ -22,11 +22,11 @@ from typing import Any, Dict, Optional, Protocol, Tuple
 import torch
 
 from lightning_fp8.optim.rounding import stochastic_round
-from lightning_fp8.optim.state import State, is_compressed, read_moments, write_moments
+from lightning_fp8.optim.moment_storage import State, is_compressed, read_moments, write_moments
 
 
 class MomentCodec(Protocol):
-    """Where the compressed moments of a state are read from and written to (the default: state.py's flat layout;
+    """Where the compressed moments of a state are read from and written to (the default: moment_storage.py's flat layout;
     sharded parameters use sharded.py's row-padded one)."""
 
     def read(self, state: State, shape: torch.Size, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]: ...
@@ -36,7 +36,7 @@ class MomentCodec(Protocol):
 
 
 class FlatMoments:
-    """state.py's layout: the moments flattened, in blocks of block_size consecutive elements."""
+    """moment_storage.py's layout: the moments flattened, in blocks of block_size consecutive elements."""
 
     read = staticmethod(read_moments)
     write = staticmethod(write_moments)

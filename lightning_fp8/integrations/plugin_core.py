@@ -27,9 +27,9 @@ from lightning_fp8.conversion.convert import (
     settle_first_last,
     settle_first_last_from_state,
 )
-from lightning_fp8.conversion.order import AUTO
+from lightning_fp8.conversion.first_last import AUTO
 from lightning_fp8.conversion.filters import ModuleFilter
-from lightning_fp8.conversion.state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
+from lightning_fp8.conversion.fp8_state import FP8_META_MARKER, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import log_conversion_summary
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.engine.config import StabilityConfig
@@ -74,7 +74,7 @@ class EngineCounters:
 class FP8PrecisionCore(EngineCounters):
     """Shared behaviour of the FP8 adapters: conversion, the FP8 + autocast context, the engine, checkpoint state.
 
-    A framework's plugin is this class plus the framework's Precision base (integrations/fabric.py, lightning.py);
+    A framework's plugin is this class plus the framework's Precision base (integrations/fabric_plugin.py, lightning.py);
     the Accelerate adapter drives a bare instance (`FP8Kwargs.build_core()`)."""
 
     precision = "fp8-mixed"

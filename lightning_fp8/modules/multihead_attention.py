@@ -228,7 +228,7 @@ class ProjectedMultiheadAttention(nn.MultiheadAttention):
 def _same_identities(fn, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """fn applied to query, key and value, keeping which of them are the same tensor (self-attention: all three;
     encoder-decoder attention: key and value), as torch does: the projections that read one tensor read one tensor
-    (conversion groups them by it, lightning_fp8/conversion/order.py)."""
+    (conversion groups them by it, lightning_fp8/conversion/first_last.py)."""
     q = fn(query)
     k = q if key is query else fn(key)
     v = k if value is key else (q if value is query else fn(value))

@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.distributed import all_reduce_max_, local_shards
-from lightning_fp8.engine.host import to_host
-from lightning_fp8.modules.tensor_parallel import is_dtensor
+from lightning_fp8.engine.host_reads import to_host
+from lightning_fp8.modules.local_shards import is_dtensor
 
 
 def plain_value(value: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ def option_parser() -> Any:
     type and documentation (jsonargparse, which litgpt's CLI is built on)."""
     from jsonargparse import ArgumentParser
 
-    from lightning_fp8.integrations.fabric import FP8Precision
+    from lightning_fp8.integrations.fabric_plugin import FP8Precision
 
     parser = ArgumentParser(prog=f"{PROG} COMMAND ... --precision fp8", exit_on_error=False,
                             description="Options of lightning_fp8.fabric.FP8Precision, for --precision fp8.")

@@ -25,7 +25,7 @@ function pass over FP8 metadata (`_skip_fp8_metadata`, installed once per proces
 layer exactly as they split nn.Linear, before or after conversion.
 
 What the layer's scales see: each rank records the amax of its own shards; the engine's once-per-iteration MAX
-all-reduce of every amax (lightning_fp8/engine/scales.py) makes the histories those of the whole tensors, identical on
+all-reduce of every amax (lightning_fp8/engine/step_closer.py) makes the histories those of the whole tensors, identical on
 every rank.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lightning_fp8.modules.precast import PrecastFP8Input
+from lightning_fp8.modules.gathered_fp8 import PrecastFP8Input
 
 try:  # DTensor (torch.distributed); absent from builds without distributed support
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -100,7 +100,7 @@ def layout_of(layer: nn.Module) -> Optional[TensorParallelLayout]:
 def localize_fp8_state(model: nn.Module) -> int:
     """Turn FP8 metadata buffers that a tensor-parallel style made replicated DTensors back into local tensors (the
     values they hold, every rank the same); returns how many buffers changed. Idempotent, no communication."""
-    from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LinearMeta
 
     changed = 0
     if DTensor is None:
@@ -201,7 +201,7 @@ def _skip_fp8_metadata() -> None:
         return
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        from lightning_fp8.modules.fp8_meta import FP8LinearMeta
+        from lightning_fp8.modules.layer_state import FP8LinearMeta
 
         if isinstance(module, FP8LinearMeta):
             return None  # the FP8 layer's scaling state: nothing to shard (the engine keeps it equal on every rank)

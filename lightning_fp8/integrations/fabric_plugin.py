@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
-from lightning_fp8.integrations._core import FP8PrecisionCore
+from lightning_fp8.integrations.plugin_core import FP8PrecisionCore
 from lightning_fp8.conversion.convert import precision_map
 from lightning_fp8.conversion.summary import conversion_summary
 from lightning_fp8.integrations._distributed import (
