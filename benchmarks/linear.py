@@ -181,7 +181,7 @@ def bench_cast(m, k, device, timer, rotate):
     """The input cast alone (amax + scale + cast + transpose): fused kernel vs torch reference, effective GB/s
     counting the bytes each must move at least (read bf16 once, write fp8 twice)."""
     from lightning_fp8.modules.cast import PerTensorCaster
-    from lightning_fp8.modules.layer_state import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LayerState
 
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(rotate)]
     recipe = FP8Recipe()
@@ -192,10 +192,10 @@ def bench_cast(m, k, device, timer, rotate):
         row = {"shape": [m, k], "variant": label, "min_bytes": min_bytes}
         try:
             with env("LIGHTNING_FP8_DISABLE_TRITON", disable):
-                meta = FP8LinearMeta(recipe, device=device)
+                meta = FP8LayerState(recipe, device=device)
                 caster.cast(xs[0], meta.amax_history, "input", True, layouts=(True, True))
                 torch.ops.lightning_fp8.close_scaling_step(meta.amax_history, meta.overflow_count, meta.clip_count,
-                                                           *meta.constants().values(), True)
+                                                           *meta.constants(), True)
                 it = {"i": 0}
 
                 def step():

@@ -127,7 +127,7 @@ def layer_kernels() -> dict:
         for fp8 in (True, False):
             with simulate_cuda((9, 0), triton=True):
                 layer = FP8GroupedLinear(module, layout, projection, recipe)
-                layer.autoupdate_scales = False  # under the engine: no close_step in the forward
+                layer.closes_own_steps = False  # under the engine: no close_step in the forward
                 layer.fp8_enabled = fp8
                 x = torch.empty(rows, in_features, device="meta", dtype=torch.bfloat16, requires_grad=True)
                 offsets = torch.empty(e, device="meta", dtype=torch.int32)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8  # noqa: E402
-from lightning_fp8.engine.step_closer import ModelScales  # noqa: E402
+from lightning_fp8.engine.step_closer import ScalingStepCloser  # noqa: E402
 from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 
 warnings.simplefilter("ignore")
@@ -115,14 +115,14 @@ def ops_table():
     for scaling in ("delayed", "current"):
         for engine in (False, True):
             layer = FP8Linear(512, 1024, recipe=FP8Recipe(scaling=scaling))
-            layer.autoupdate_scales = not engine
+            layer.closes_own_steps = not engine
             c = count_eager(layer, x)
             rows.append({
                 "layer": f"FP8Linear {scaling}", "mode": "eager, " + ("engine" if engine else "no engine (lazy close)"),
                 "non_view_ops": c.non_view, "custom_ops": c.custom(),
             })
         layer = FP8Linear(512, 1024, recipe=FP8Recipe(scaling=scaling))
-        layer.autoupdate_scales = False
+        layer.closes_own_steps = False
         kernels, custom = count_inductor(layer, x)
         rows.append({"layer": f"FP8Linear {scaling}", "mode": "inductor, engine", "generated_kernels_compiled": kernels,
                      "custom_ops": custom})
@@ -135,7 +135,7 @@ def close_table():
         model = convert_to_fp8(nn.Sequential(*[nn.Linear(32, 32) for _ in range(n)]),
                                FP8Recipe(keep_first_last_in_bf16=False))
         fwd_bwd(model, torch.randn(8, 32, requires_grad=True))
-        scales = ModelScales({str(i): m for i, m in enumerate(model)})
+        scales = ScalingStepCloser({str(i): m for i, m in enumerate(model)})
         scales.close_step()
         fwd_bwd(model, torch.randn(8, 32, requires_grad=True))
         with Count() as c:

@@ -12,7 +12,7 @@ import torch
 from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.numerics.formats import FP8Format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
-from lightning_fp8.numerics.scaling import advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
+from lightning_fp8.numerics.scaling import StepConstants, advance_history, cast_scale, reference_amax, scale_from_amax, step_flags
 from lightning_fp8.numerics.groups import quantize_groups
 from lightning_fp8.numerics.tiles import quantize_tiles
 
@@ -113,7 +113,7 @@ def close_step_reference(
     taken: bool,
 ) -> None:
     """Close the step in progress of one layer's roles in place (numerics.scaling.close_step)."""
-    clean, overflow, clip = step_flags(history, *constants)
+    clean, overflow, clip = step_flags(history, StepConstants(*constants))
     overflow_count.add_(overflow.to(overflow_count.dtype))
     clip_count.add_(clip.to(clip_count.dtype))
     history.copy_(advance_history(history, clean, taken))

@@ -14,7 +14,7 @@ from lightning_fp8.kernels.cpu_kernels import _cast_saturates_like_the_clamp, ca
 from lightning_fp8.kernels.kernel_reference import cast_reference, scaled_cast_reference
 from lightning_fp8.modules import emulation
 from lightning_fp8.modules.emulation import emulate, fp8_bf16_image
-from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 from lightning_fp8.numerics.formats import E4M3, E5M2
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -77,7 +77,7 @@ def _operands(m, k, n, a_dtype, b_dtype, scale_a, scale_b, bias=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     a = (torch.randn(m, k, generator=g) * 40).clamp(-400, 400).to(a_dtype)
     b = (torch.randn(n, k, generator=g) * 40).clamp(-400, 400).to(b_dtype).t()
-    return GemmOperands(FP8Matrix(a, torch.tensor(scale_a)), FP8Matrix(b, torch.tensor(scale_b)), torch.bfloat16, bias)
+    return GemmRequest(FP8Matrix(a, torch.tensor(scale_a)), FP8Matrix(b, torch.tensor(scale_b)), torch.bfloat16, bias)
 
 
 def _unfolded(ops):

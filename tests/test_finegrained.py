@@ -108,7 +108,7 @@ def test_forward_backward_dispatches_as_few_ops_as_per_tensor(scaling, engine):
     """Steady state, BF16 autocast, 256x512x1024: the same structure as a per-tensor layer (tests/test_overhead.py):
     one cast op per tensor (x, W, dY, and W^T re-cast in backward), three GEMM ops, no scalar bookkeeping."""
     layer = FP8Linear(512, 1024, recipe=FP8Recipe(scaling=scaling))
-    layer.autoupdate_scales = not engine
+    layer.closes_own_steps = not engine
     x = torch.randn(256, 512, requires_grad=True)
 
     def step():

@@ -167,7 +167,7 @@ def gloo_one_rank():
 
 def test_fp8_all_gather_is_asked_of_the_layer_while_fsdp2_holds_the_weight_unsharded(gloo_one_rank):
     """After the forward of a unit with reshard_after_forward=False (Fabric's example does this for its last block;
-    FSDP2 never reshards the root after forward) the layer's weight is the gathered PrecastFP8Weight: the layer still
+    FSDP2 never reshards the root after forward) the layer's weight is the gathered GatheredFP8Weight: the layer still
     says it all-gathers in FP8, and the plugin's check does not warn. A layer marked to gather in high precision
     hands its forward a plain high-precision weight and says so."""
     from lightning_fp8 import convert_to_fp8
@@ -175,7 +175,7 @@ def test_fp8_all_gather_is_asked_of_the_layer_while_fsdp2_holds_the_weight_unsha
     from lightning_fp8.distributed.all_gather import gather_in_high_precision
     from lightning_fp8.integrations._distributed import warn_if_gathered_in_high_precision
     from lightning_fp8.modules.autocast import fp8_autocast
-    from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight
+    from lightning_fp8.modules.gathered_fp8 import GatheredFP8Weight
 
     torch.manual_seed(0)
     model = convert_to_fp8(mlp(), verbose=False)
@@ -191,7 +191,7 @@ def test_fp8_all_gather_is_asked_of_the_layer_while_fsdp2_holds_the_weight_unsha
     with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast():
         out = model(x)
         assert torch.equal(out, reference(x))  # the FP8 gather's bytes and the high-precision gather: exact
-    assert isinstance(model[2].weight, PrecastFP8Weight) and uses_fp8_all_gather(model[2])  # unsharded, FP8
+    assert isinstance(model[2].weight, GatheredFP8Weight) and uses_fp8_all_gather(model[2])  # unsharded, FP8
     assert type(model[4].weight) is nn.Parameter and not uses_fp8_all_gather(model[4])  # unsharded, high precision
     assert fp8_all_gather_reason(model[4]) == "computes in BF16: kept there by the conversion rules"
     warned = []

@@ -25,14 +25,14 @@ from lightning_fp8.kernels.device import simulate_cuda
 from lightning_fp8.modules import gemm as gemm_module
 from lightning_fp8.modules.emulation import _bf16_tensorwise, emulate, fp8_bf16_image
 from lightning_fp8.modules.gemm import FP8EmulationWarning
-from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 from lightning_fp8.modules.scaled_mm import Refusal, ScaledMMCall, plan_scaled_mm, target_for
 from lightning_fp8.numerics import E4M3, quantize
 
 
 def _ops(a, sa, b, sb, out_dtype, bias=None, fast_accum=False):
     """A per-tensor GEMM request: FP8 a (M, K), b (K, N) with their dequant scales."""
-    return GemmOperands(FP8Matrix(a, sa), FP8Matrix(b, sb), out_dtype, bias, fast_accum)
+    return GemmRequest(FP8Matrix(a, sa), FP8Matrix(b, sb), out_dtype, bias, fast_accum)
 
 
 def emulated_gemm(a, sa, b, sb, out_dtype, bias=None):

@@ -129,9 +129,9 @@ def test_the_profile_decides_recorded_splits_and_known_splits_override_them():
 
 
 def _request(a, b, out_dtype, bias=None, fast=False):
-    from lightning_fp8.modules.operand import GemmOperands
+    from lightning_fp8.modules.operand import GemmRequest
 
-    return GemmOperands(a, b, out_dtype, bias, fast)
+    return GemmRequest(a, b, out_dtype, bias, fast)
 
 
 def test_an_unknown_split_raises_with_the_models_explanation_until_it_is_known():

@@ -29,7 +29,7 @@ import torch
 
 from lightning_fp8 import kernels
 from lightning_fp8.modules.cast import PerTensorCaster, cast_to_fp8
-from lightning_fp8.modules.layer_state import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LayerState
 from lightning_fp8.numerics import E4M3, E5M2, cast_scale, close_step, quantize, tensor_amax
 from lightning_fp8.recipe import FP8Recipe
 
@@ -190,7 +190,7 @@ def _run_casts(recipe, use_triton, monkeypatch, device="cpu", seed=0, steps=3):
     evaluation cast and explicit-scale casts per step; returns the outputs and the final FP8 state. use_triton
     selects the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) or the torch reference."""
     monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "0" if use_triton else "1")
-    meta = FP8LinearMeta(recipe, device=device)
+    meta = FP8LayerState(recipe, device=device)
     g = torch.Generator(device=device).manual_seed(1234)
     outs = []
     for step in range(steps):
@@ -202,7 +202,7 @@ def _run_casts(recipe, use_triton, monkeypatch, device="cpu", seed=0, steps=3):
             q, q_t, s, s_inv = _cast(x, meta, recipe, role, True, transposed=(role != "weight"), generator=g)
             outs += [q, q_t if q_t is not None else q.t().contiguous(), s, s_inv]
         torch.ops.lightning_fp8.close_scaling_step(
-            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), step != 1
+            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants(), step != 1
         )
         q, _, s, s_inv = _cast(wide_random((8, 24), seed=100 + step, device=device), meta, recipe, "input",
                                      record=False)
@@ -232,7 +232,7 @@ def test_scaled_cast_op_is_the_numerics_composition(name, monkeypatch):
     cast's recipe, the bytes are numerics.quantize, and the open slot receives max|x|."""
     monkeypatch.setenv("LIGHTNING_FP8_DISABLE_TRITON", "1")
     recipe = RECIPES[name]
-    meta = FP8LinearMeta(recipe)
+    meta = FP8LayerState(recipe)
     meta.amax_history[0, 1:4] = torch.tensor([3.0, 7.0, 1.0])  # input has history; weight / grad_output do not
     for role, index in (("input", 0), ("weight", 1), ("grad_output", 2)):
         x = wide_random((20, 36), seed=index)
@@ -320,12 +320,12 @@ def test_cpu_explicit_scale_cast_on_edge_values():
 
 def test_close_step_op_is_the_numerics_rule():
     recipe = FP8Recipe(scale_gradients=False, format="e5m2")
-    meta = FP8LinearMeta(recipe)
+    meta = FP8LayerState(recipe)
     meta.amax_history[:, 0] = torch.tensor([float("nan"), 2.0, 7.0e4])  # overflow, normal, unscaled saturation
     meta.amax_history[1, 1] = 1.0
-    expected, overflow, clip = close_step(meta.amax_history.clone(), *meta.constants().values(), taken=True)
+    expected, overflow, clip = close_step(meta.amax_history.clone(), meta.constants(), taken=True)
     torch.ops.lightning_fp8.close_scaling_step(
-        meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), True
+        meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants(), True
     )
     assert torch.equal(meta.amax_history, expected)
     assert meta.overflow_count.tolist() == [1, 0, 1] == overflow.long().tolist()
@@ -348,7 +348,7 @@ def test_cast_ops_trace_under_compile_without_graph_breaks():
 
 def test_casts_reject_what_they_cannot_cast():
     with pytest.raises(Exception, match="2-D"):
-        _cast(torch.zeros(2, 3, 4), FP8LinearMeta(FP8Recipe()), FP8Recipe(), "input", False)
+        _cast(torch.zeros(2, 3, 4), FP8LayerState(FP8Recipe()), FP8Recipe(), "input", False)
     with pytest.raises(ValueError):
         cast_to_fp8(torch.zeros(4), torch.tensor(1.0), E4M3, layout="t")
     with pytest.raises(ValueError, match="delayed"):
@@ -749,7 +749,7 @@ def test_interp_close_step_kernel_matches_reference(triton_interp, name, taken):
     from lightning_fp8.kernels.triton_scaling import launch_close_step
 
     recipe = RECIPES[name]
-    meta = FP8LinearMeta(recipe)
+    meta = FP8LayerState(recipe)
     g = torch.Generator().manual_seed(3)
     for case in range(4):
         hist = torch.rand(meta.amax_history.shape, generator=g) * 10
@@ -758,8 +758,8 @@ def test_interp_close_step_kernel_matches_reference(triton_interp, name, taken):
         counters = [torch.randint(0, 5, (3,), generator=g) for _ in range(2)]
         ref_h, ref_o, ref_c = hist.clone(), counters[0].clone(), counters[1].clone()
         k_h, k_o, k_c = hist.clone(), counters[0].clone(), counters[1].clone()
-        close_step_reference(ref_h, ref_o, ref_c, tuple(meta.constants().values()), taken)
-        launch_close_step(k_h, k_o, k_c, *meta.constants().values(), taken)
+        close_step_reference(ref_h, ref_o, ref_c, meta.constants(), taken)
+        launch_close_step(k_h, k_o, k_c, *meta.constants(), taken)
         assert torch.equal(k_h, ref_h) and torch.equal(k_o, ref_o) and torch.equal(k_c, ref_c), case
 
 
@@ -920,12 +920,12 @@ def test_cuda_kernels_launch_on_the_tensors_device_not_the_current_one():
             assert_same_fp8(q.view(fmt.dtype), q_ref, nan_sign=not hw)
             assert torch.equal(hist, h_ref)
 
-        meta = FP8LinearMeta(FP8Recipe(), device=second)
+        meta = FP8LayerState(FP8Recipe(), device=second)
         history = torch.rand(meta.amax_history.shape, device=second) * 10
         counts = [torch.zeros(3, dtype=torch.int64, device=second) for _ in range(4)]
         h_kernel, h_ref = history.clone(), history.clone()
-        launch_close_step(h_kernel, counts[0], counts[1], *meta.constants().values(), True)
-        close_step_reference(h_ref, counts[2], counts[3], tuple(meta.constants().values()), True)
+        launch_close_step(h_kernel, counts[0], counts[1], *meta.constants(), True)
+        close_step_reference(h_ref, counts[2], counts[3], meta.constants(), True)
         assert torch.equal(h_kernel, h_ref) and torch.equal(counts[0], counts[2]) and torch.equal(counts[1], counts[3])
         assert torch.cuda.current_device() == 0  # the guard restores the caller's device
     torch.cuda.synchronize(second)

@@ -93,14 +93,14 @@ def layer_launches(recipe: FP8Recipe, bias: bool = False, tokens: int = TOKENS,
     """(forward launch names, backward launch names, engine host reads) of one training step of an FP8Linear on meta
     tensors taking the CUDA path of `capability` with the Triton casts. The upstream gradient is made outside the
     recording (it is the next layer's). `under_engine`: the layer as FP8TrainingEngine leaves it after a decision
-    whose flags said every history sizes a delayed scale (`ModelScales.learn_sizes`): the engine closes the scaling
+    whose flags said every history sizes a delayed scale (`ScalingStepCloser.learn_sizes`): the engine closes the scaling
     steps, and delayed casts skip their amax pre-pass (tests/test_engine.py checks that the engine does this)."""
     with simulate_cuda(capability, triton=True), count_host_reads() as reads:
         layer = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(device="meta", dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(layer, recipe)
         fp8.keep_weight_transpose = keep_weight_transpose
         if under_engine:
-            fp8.autoupdate_scales = False
+            fp8.closes_own_steps = False
             fp8.fp8_meta.history_sized = [True, True, True]
         x = torch.randn(tokens, IN_FEATURES, device="meta", dtype=torch.bfloat16, requires_grad=True)
         with record_launches() as forward:

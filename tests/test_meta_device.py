@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_fp8 import FP8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
-from lightning_fp8.modules.layer_state import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LayerState
 from tests.support.helpers import RegressionModule, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning_fp8.modules.gemm.FP8EmulationWarning")
@@ -47,9 +47,9 @@ def _steps(model, steps=3, seed=1):
     return torch.stack(losses)
 
 
-def _fresh(meta: FP8LinearMeta) -> bool:
+def _fresh(meta: FP8LayerState) -> bool:
     return (not meta.amax_history.any() and not meta.overflow_count.any() and not meta.clip_count.any()
-            and bool(meta.enabled) and torch.equal(meta.recipe_fp8_max, FP8LinearMeta(meta.recipe).recipe_fp8_max))
+            and bool(meta.enabled) and torch.equal(meta.recipe_fp8_max, FP8LayerState(meta.recipe).recipe_fp8_max))
 
 
 def _copies(weights):

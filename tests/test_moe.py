@@ -27,7 +27,7 @@ from lightning_fp8.modules.emulation import emulate_grouped
 from lightning_fp8.modules.grouped_linear import IMPLEMENTATION, FP8GroupedLinear
 from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.gemm import record_gemms
-from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 from lightning_fp8.modules.scaled_mm import (
     GROUP_ALIGNMENT,
     GROUPED_CONTRACTION,
@@ -175,7 +175,7 @@ def test_the_planned_contraction_re_lays_the_tokens_16_aligned_without_changing_
     starts = [0] + offsets[:-1]
     assert all(start % GROUP_ALIGNMENT == 0 for start in starts)
     assert [end - start for start, end in zip(starts, offsets)] == [16, 0, 32, 16]
-    planned = GemmOperands(FP8Matrix(call.mat_a, call.scale_a.view(E, -1, 1), (1, 0)),
+    planned = GemmRequest(FP8Matrix(call.mat_a, call.scale_a.view(E, -1, 1), (1, 0)),
                            FP8Matrix(call.mat_b, call.scale_b.view(E, 1, -1), (0, 1)), torch.bfloat16,
                            offsets=call.offs)
     assert torch.equal(emulate_grouped(planned), emulate_grouped(wgrad))
@@ -458,7 +458,7 @@ def test_a_grouped_step_on_sm90_launches_the_fused_grouped_cast_and_reads_nothin
     layout = ExpertsLayout(8, (Projection("down_proj", None, "down"),) * 2, False, 2, "Experts")
     with simulate_cuda((9, 0), triton=True), count_host_reads() as reads:
         layer = FP8GroupedLinear(Experts(), layout, layout.projections[0], grouped_recipe(FP8Recipe())[0])
-        layer.autoupdate_scales = False
+        layer.closes_own_steps = False
         x = torch.empty(4096, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
         offsets = torch.empty(8, device="meta", dtype=torch.int32)
         with record_launches() as forward:

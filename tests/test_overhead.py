@@ -9,7 +9,7 @@ from torch import nn
 
 from support.helpers import DispatchCount
 from lightning_fp8 import FP8Linear, FP8Recipe, convert_to_fp8
-from lightning_fp8.engine.step_closer import ModelScales
+from lightning_fp8.engine.step_closer import ScalingStepCloser
 
 
 def _fwd_bwd(layer, x):
@@ -36,7 +36,7 @@ def test_nn_linear_baseline():
 def test_fp8_linear_forward_backward_dispatches_few_ops(scaling, engine):
     """Steady state, BF16 autocast, 256x512x1024 (the issue's measurement: 214 delayed, 148 current before)."""
     layer = FP8Linear(512, 1024, recipe=FP8Recipe(scaling=scaling))
-    layer.autoupdate_scales = not engine  # with an engine, the step close is the engine's (counted below)
+    layer.closes_own_steps = not engine  # with an engine, the step close is the engine's (counted below)
     count = _steady_count(layer, torch.randn(256, 512, requires_grad=True))
     assert count.non_view <= 48, count.ops
     assert count.of("lightning_fp8.scaled_cast") == 3  # x, W, dY
@@ -55,7 +55,7 @@ def test_step_close_of_every_layer_is_a_fixed_number_of_ops():
     for n in (10, 200):
         model = _model(n)
         _fwd_bwd(model, torch.randn(8, 32, requires_grad=True))
-        scales = ModelScales({str(i): layer for i, layer in enumerate(model)})
+        scales = ScalingStepCloser({str(i): layer for i, layer in enumerate(model)})
         scales.close_step(taken=True)  # builds the cached constants
         _fwd_bwd(model, torch.randn(8, 32, requires_grad=True))
         with DispatchCount() as count:

@@ -9,8 +9,9 @@ import pytest
 import lightning_fp8
 
 PACKAGE = pathlib.Path(lightning_fp8.__file__).parent
-#: the top level holds the public entry points and the recipe only
-TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py", "state_format.py", "litgpt.py"}
+#: the top level holds the public entry points and the recipe only (and renamed.py: old public names, for one release)
+TOP_LEVEL_MODULES = {"__init__.py", "recipe.py", "presets.py", "fabric.py", "accelerate.py", "cli.py", "state_format.py",
+                     "litgpt.py", "renamed.py"}
 
 
 def test_public_import_paths():
@@ -130,3 +131,32 @@ def test_every_stability_knob_reaches_the_engine():
     config = FP8Precision(**values).engine.config
     for name, value in values.items():
         assert getattr(config, name) == value, name
+
+
+def test_renamed_public_names_still_work_for_one_release():
+    """Names users may have used before the rename (issue 45) keep working, each with a FutureWarning naming the new
+    one: FP8LinearMeta, FP8Layer.update_scales / autoupdate_scales, FP8TrainingEngine.update_scales."""
+    import torch
+
+    from lightning_fp8 import FP8Linear, FP8Recipe, modules
+    from lightning_fp8.engine import FP8TrainingEngine
+    from lightning_fp8.modules.layer_state import FP8LayerState
+
+    with pytest.warns(FutureWarning, match="FP8LayerState"):
+        assert modules.FP8LinearMeta is FP8LayerState
+    with pytest.warns(FutureWarning, match="FP8LayerState"):
+        from lightning_fp8.modules.layer_state import FP8LinearMeta  # noqa: F401
+    layer = FP8Linear(16, 16)
+    layer.fp8_meta.amax_history[0, 0] = 3.0
+    with pytest.warns(FutureWarning, match="close_scaling_step"):
+        layer.update_scales()
+    assert layer.fp8_meta.input.amax_history[1].item() == 3.0  # the step was closed: slot 0 moved into the history
+    with pytest.warns(FutureWarning, match="closes_own_steps"):
+        layer.autoupdate_scales = False
+    assert layer.closes_own_steps is False
+    engine = FP8TrainingEngine(FP8Recipe())
+    engine.attach(torch.nn.Sequential(layer))
+    layer.fp8_meta.amax_history[0, 0] = 5.0
+    with pytest.warns(FutureWarning, match="close_scaling_step"):
+        engine.update_scales()
+    assert layer.fp8_meta.input.amax_history[1].item() == 5.0

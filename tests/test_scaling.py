@@ -7,7 +7,7 @@ import torch
 
 from lightning_fp8 import FP8Recipe
 from lightning_fp8.modules.cast import PerTensorCaster
-from lightning_fp8.modules.layer_state import FP8LinearMeta
+from lightning_fp8.modules.layer_state import FP8LayerState
 from lightning_fp8.numerics import E4M3, E5M2, scale_from_amax
 
 
@@ -30,7 +30,7 @@ class Role:
 
     def __init__(self, recipe=None, role="input"):
         self.recipe = recipe or FP8Recipe()
-        self.meta = FP8LinearMeta(self.recipe)
+        self.meta = FP8LayerState(self.recipe)
         self.role = role
         self.state = self.meta.role(role)
 
@@ -46,7 +46,7 @@ class Role:
     def close(self, taken=True):
         meta = self.meta
         torch.ops.lightning_fp8.close_scaling_step(
-            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), taken
+            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants(), taken
         )
 
     def step(self, amax, taken=True):
@@ -193,7 +193,7 @@ def test_old_per_role_state_dicts_load_into_the_new_layout():
         old[f"{role}.overflow_count"] = torch.tensor(i)
         old[f"{role}.clip_count"] = torch.tensor(2 * i)
         old[f"{role}.initialized"] = torch.tensor(True)
-    meta = FP8LinearMeta(FP8Recipe(amax_history_len=4))
+    meta = FP8LayerState(FP8Recipe(amax_history_len=4))
     meta.load_state_dict(old)
     assert meta.amax_history[:, :4].tolist() == [[0, 4, 2, 0], [0, 5, 2, 0], [0, 6, 2, 0]]
     assert meta.overflow_count.tolist() == [0, 1, 2] and meta.clip_count.tolist() == [0, 2, 4]

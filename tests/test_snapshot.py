@@ -36,8 +36,8 @@ def _train(model, opt, sched, steps, device="cpu"):
         opt.step()
         sched.step()
         for layer in model.modules():
-            if hasattr(layer, "update_scales"):
-                layer.update_scales()
+            if hasattr(layer, "close_scaling_step"):
+                layer.close_scaling_step()
 
 
 def _state(model, opt, sched):

@@ -271,7 +271,7 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
     import itertools
 
     from lightning_fp8.kernels import triton_scaling
-    from lightning_fp8.modules.layer_state import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LayerState
     from lightning_fp8.recipe import FP8Recipe
 
     def cast_calls():
@@ -300,12 +300,12 @@ def _every_launch(monkeypatch) -> Tuple[List[Variant], List[Variant], List[Varia
 
     casts = record(monkeypatch, triton_cast, "_cast_kernel", cast_and_prepass_calls)
     prepasses = [Variant.of(prepass.kernel, args, kwargs) for args, kwargs in prepass.launches]
-    meta = FP8LinearMeta(FP8Recipe())
+    meta = FP8LayerState(FP8Recipe())
     closes = []
     for taken in (True, False):
         closes += record(monkeypatch, triton_scaling, "_close_step_kernel", lambda: triton_scaling.launch_close_step(
             meta.amax_history.clone(), meta.overflow_count.clone(), meta.clip_count.clone(),
-            *meta.constants().values(), taken))
+            *meta.constants(), taken))
     steps = [adamw_variant(monkeypatch, 90, vdt, aligned, decoupled_weight_decay=decoupled, maximize=maximize,
                            weight_decay=wd)
              for vdt, aligned, decoupled, maximize, wd in itertools.product(

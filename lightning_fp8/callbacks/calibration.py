@@ -10,7 +10,7 @@ after the sanity check), on `num_batches` batches of the train dataloader:
 
     with torch.no_grad(), fp8_autocast(calibrating=True):      # FP8Linear computes in high precision and records
         training_step(batch)                                   # input and weight amaxes into amax_history[0]
-    engine.update_scales()   (or each layer's update_scales())  # new scale from the history, history rolled
+    engine.close_scaling_step()   (or each layer's close_scaling_step())  # new scale from the history, history rolled
 
 once per batch, in train mode and under the precision plugin's autocast, so the amaxes are those training sees.
 Closing each batch as one step makes the result exactly "delayed scaling with the calibration amaxes as history":
@@ -139,10 +139,10 @@ class FP8Calibration(Callback):
                     with fp8_autocast(calibrating=True):  # innermost: the plugin's context would reset it
                         forward(pl_module, batch, batch_idx)
                 if engine is not None:
-                    engine.update_scales()  # all-reduces the amaxes across ranks, then updates every layer
+                    engine.close_scaling_step()  # all-reduces the amaxes across ranks, then updates every layer
                 else:
                     for layer in layers.values():
-                        layer.update_scales()
+                        layer.close_scaling_step()
                 n += 1
         self.calibrated_batches = n
         log.info(

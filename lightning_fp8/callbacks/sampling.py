@@ -17,7 +17,7 @@ import torch
 from torchmetrics import Metric
 
 from lightning_fp8.modules.autocast import current_state
-from lightning_fp8.modules.cast import cast_scale as _cast_scale  # the cast's own scale rule (delayed / current / none)
+from lightning_fp8.modules.cast import observed_cast_scale  # the cast's own scale rule (delayed / current / none)
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.numerics.stats import DEFAULT_SAMPLE_SIZE, STAT_FIELDS, QuantStats, overflow_fraction, quantization_stats
@@ -114,7 +114,7 @@ class LayerStatsSampler:
         state = getattr(layer.fp8_meta, role)
         x = x.detach()
         amax = tensor_amax(x)
-        scale = _cast_scale(x, amax, state, recipe, role, True, fmt)
+        scale = observed_cast_scale(x, amax, state, recipe, role, True, fmt)
         stats = quantization_stats(
             x, scale, fmt, self.sample_size, self.generator, rounding=recipe.rounding_for(role), amax=amax
         )

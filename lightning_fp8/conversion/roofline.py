@@ -145,7 +145,7 @@ def _fp8_launches(shape: LayerShape, recipe: FP8Recipe, capability: Tuple[int, i
 
     def as_the_engine_runs_it(linear: nn.Linear) -> FP8Linear:
         layer = FP8Linear.from_linear(linear, recipe)
-        layer.autoupdate_scales = False
+        layer.closes_own_steps = False
         layer.fp8_meta.history_sized = [True] * len(layer.fp8_meta.history_sized)
         return layer
 

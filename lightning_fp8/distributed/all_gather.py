@@ -22,7 +22,7 @@ tensor subclasses (the same hooks in torch 2.11 and 2.13):
   amax (the weights cannot have changed in between).
 - `fsdp_post_all_gather` (on the compute stream) ties the scale and amax made on FSDP2's copy-in stream to the
   compute stream (`record_stream`: FSDP2 drops the metadata right after the hook, and their memory must not be reused
-  before the compute stream has read it), and wraps the gathered bytes as a `PrecastFP8Weight`
+  before the compute stream has read it), and wraps the gathered bytes as a `GatheredFP8Weight`
   (lightning_fp8/modules/gathered_fp8.py): the FP8 layer feeds its data and scale to the forward and dgrad GEMMs without
   casting again, and every path that does not compute in FP8 with that cast (fp8_autocast(enabled=False),
   fp8_eval=False, a layer FP8LayerFallback moved to BF16, calibration, a recipe override) gets the exact
@@ -53,9 +53,8 @@ from torch import nn
 from lightning_fp8.conversion.convert import fp8_layers
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import cast_to_fp8
-from lightning_fp8.modules.layer_state import ROLE_INDEX
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Weight
+from lightning_fp8.modules.gathered_fp8 import CastKey, GatheredFP8Weight
 from lightning_fp8.modules.local_shards import is_dtensor
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.scaling import cast_scale
@@ -185,7 +184,7 @@ class FP8AllGatherWeight(torch.Tensor):
         fmt = get_format(cast_key.fmt)
         layer.__dict__[_SHARD_ATTR] = (self, _group_ranks(group), group)
         amax = self._full_amax(layer, group)
-        history_row = layer.fp8_meta.amax_history[ROLE_INDEX["weight"]]
+        history_row = layer.fp8_meta.weight.amax_history
         scale = cast_scale(history_row, amax, fmt.max, cast_key.scaling, cast_key.algo_max, cast_key.margin,
                            cast_key.power_of_2)
         if local.shape[0] != padded_rows:  # uneven sharding: every rank sends the padded shard size
@@ -199,7 +198,7 @@ class FP8AllGatherWeight(torch.Tensor):
     @torch.no_grad()
     def fsdp_post_all_gather(self, all_gather_outputs: Tuple[torch.Tensor, ...], metadata: "_GatherMeta",
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
-        """The unsharded weight: a PrecastFP8Weight over the gathered bytes (FSDP2 narrows the padding away)."""
+        """The unsharded weight: a GatheredFP8Weight over the gathered bytes (FSDP2 narrows the padding away)."""
         (data,) = all_gather_outputs
         if metadata is None:  # the high-precision gather (fsdp_pre_all_gather): the gathered rows are the weight
             return None if out is not None else (data, (data,))
@@ -214,7 +213,7 @@ class FP8AllGatherWeight(torch.Tensor):
             out._source.shard = self  # the shard FSDP2 holds now (a load may have replaced the tensor object)
             return None
         source = _ShardSource(self, metadata.group, metadata.rows, metadata.padded_rows, param_dtype)
-        weight = PrecastFP8Weight(data.view(metadata.fp8_dtype), metadata.scale.clone(), metadata.amax.clone(),
+        weight = GatheredFP8Weight(data.view(metadata.fp8_dtype), metadata.scale.clone(), metadata.amax.clone(),
                                   metadata.cast_key, source, param_dtype)
         return weight, (data,)
 
@@ -417,12 +416,12 @@ class _GatherMeta:
 
 
 class _ShardSource:
-    """The exact high-precision weight behind a PrecastFP8Weight: a high-precision all-gather of this rank's shard."""
+    """The exact high-precision weight behind a GatheredFP8Weight: a high-precision all-gather of this rank's shard."""
 
     def __init__(self, shard: FP8AllGatherWeight, group, rows: int, padded_rows: int, dtype: torch.dtype) -> None:
         self.shard, self.group, self.rows, self.padded_rows, self.dtype = shard, group, rows, padded_rows, dtype
 
-    def high_precision(self, weight: PrecastFP8Weight) -> torch.Tensor:
+    def high_precision(self, weight: GatheredFP8Weight) -> torch.Tensor:
         return _HighPrecisionGather.apply(weight, self)
 
     def local_high_precision(self) -> torch.Tensor:
@@ -444,7 +443,7 @@ class _HighPrecisionGather(torch.autograd.Function):
     gradient of the unsharded parameter, which FSDP2 reduce-scatters as usual."""
 
     @staticmethod
-    def forward(ctx, weight: PrecastFP8Weight, source: _ShardSource) -> torch.Tensor:
+    def forward(ctx, weight: GatheredFP8Weight, source: _ShardSource) -> torch.Tensor:
         return source.gather()
 
     @staticmethod
@@ -603,7 +602,7 @@ def uses_fp8_all_gather(layer: nn.Module) -> bool:
     """Whether FSDP2 gathers `layer`'s weight in FP8: asked of the layer, whatever state FSDP2 holds the weight in at
     the moment. Sharded, the weight is an FP8AllGatherWeight; gathered (between a forward and its backward, or after
     a forward of a unit with `reshard_after_forward=False`, or of the root unit, which FSDP2 never reshards after
-    forward) it is the PrecastFP8Weight that gather produced, or the high-precision tensor of a layer kept in BF16
+    forward) it is the GatheredFP8Weight that gather produced, or the high-precision tensor of a layer kept in BF16
     (`gather_in_high_precision`: False)."""
     if _HIGH_PRECISION_ATTR in layer.__dict__:
         return False
@@ -614,7 +613,7 @@ def uses_fp8_all_gather(layer: nn.Module) -> bool:
     if isinstance(local, FP8AllGatherWeight):
         return True
     # unsharded by FSDP2: the FP8 gather's output, on a layer enabled for it
-    return isinstance(local, PrecastFP8Weight) and _BATCH_ATTR in layer.__dict__
+    return isinstance(local, GatheredFP8Weight) and _BATCH_ATTR in layer.__dict__
 
 
 __all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "enable_fp8_all_gather_layer", "disable_fp8_all_gather",

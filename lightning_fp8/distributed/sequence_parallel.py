@@ -16,7 +16,7 @@ float32). Here the forward gather moves FP8 (`gather_in_fp8`):
    scale, the one the whole tensor's amax gives, so the result is the whole tensor cast with one scale: a slice cast
    with a larger scale is re-rounded (with power-of-two scales, the default, that is exact for every value that stays
    a normal FP8 number). No collective is issued for the scale;
-4. the FP8 layer consumes the gathered bytes as its input operand (`PrecastFP8Input`, lightning_fp8/modules/gathered_fp8.py)
+4. the FP8 layer consumes the gathered bytes as its input operand (`GatheredFP8Input`, lightning_fp8/modules/gathered_fp8.py)
    for its forward and weight-gradient GEMMs, and records the gathered amax into its history, as its own cast would.
 
 Backward reduce-scatters the input gradient in the gradient's dtype, or in FP8 with `gradient_communication="fp8"`
@@ -42,8 +42,7 @@ import torch.distributed as dist
 from lightning_fp8.distributed.comm_hook import FP8CommState
 from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter
 from lightning_fp8.modules.cast import cast_to_fp8
-from lightning_fp8.modules.layer_state import ROLE_INDEX
-from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Input
+from lightning_fp8.modules.gathered_fp8 import CastKey, GatheredFP8Input
 from lightning_fp8.numerics.formats import get_format
 from lightning_fp8.numerics.quantize import quantize, tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale
@@ -103,7 +102,7 @@ class InputCast:
     key: CastKey
 
 
-def gather_in_fp8(x_local: Tensor, cast: InputCast, comm: SequenceComm) -> PrecastFP8Input:
+def gather_in_fp8(x_local: Tensor, cast: InputCast, comm: SequenceComm) -> GatheredFP8Input:
     """The whole sequence from every rank's slice `x_local`, cast to FP8 once with one agreed scale (see the module
     docstring), as the input operand of column-wise FP8 layers. Differentiable: backward reduce-scatters the input
     gradient (`comm.reduce`)."""
@@ -112,11 +111,11 @@ def gather_in_fp8(x_local: Tensor, cast: InputCast, comm: SequenceComm) -> Preca
 
 class _FP8SequenceGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_local: Tensor, cast: InputCast, comm: SequenceComm) -> PrecastFP8Input:
+    def forward(ctx, x_local: Tensor, cast: InputCast, comm: SequenceComm) -> GatheredFP8Input:
         ctx.comm = comm
         layer, key = cast.layer, cast.key
         fmt = get_format(key.fmt)
-        history = layer.fp8_meta.amax_history[ROLE_INDEX["input"]]
+        history = layer.fp8_meta.input.amax_history
         amax = tensor_amax(x_local).reshape(())
         amax = torch.where(torch.isnan(amax), math.inf, amax)  # NaN could lose the MAX below; inf is an overflow too
         scale = cast_scale(history, amax, fmt.max, key.scaling, key.algo_max, key.margin, key.power_of_2)
@@ -137,7 +136,7 @@ class _FP8SequenceGather(torch.autograd.Function):
         values = quantize(values.to(torch.float32), (common / scales).reshape(world, 1), fmt)
         gathered = values.reshape(world * local.shape[0], *local.shape[1:]).movedim(0, comm.seq_dim).contiguous()
         source = _SequenceSource(x_local.detach(), comm)
-        return PrecastFP8Input(gathered, common, amaxes.max(), key, source, x_local.dtype)
+        return GatheredFP8Input(gathered, common, amaxes.max(), key, source, x_local.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -146,12 +145,12 @@ class _FP8SequenceGather(torch.autograd.Function):
 
 
 class _SequenceSource:
-    """The exact high-precision input behind a PrecastFP8Input: a high-precision all-gather of this rank's slice."""
+    """The exact high-precision input behind a GatheredFP8Input: a high-precision all-gather of this rank's slice."""
 
     def __init__(self, x_local: Tensor, comm: SequenceComm) -> None:
         self.x_local, self.comm = x_local, comm
 
-    def high_precision(self, gathered: PrecastFP8Input) -> Tensor:
+    def high_precision(self, gathered: GatheredFP8Input) -> Tensor:
         return _HighPrecisionSequenceGather.apply(gathered, self)
 
     def local_high_precision(self) -> Tensor:
@@ -163,7 +162,7 @@ class _HighPrecisionSequenceGather(torch.autograd.Function):
     FP8 gather's backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, gathered: PrecastFP8Input, source: _SequenceSource) -> Tensor:
+    def forward(ctx, gathered: GatheredFP8Input, source: _SequenceSource) -> Tensor:
         return all_gather_sequence(source.x_local, source.comm)
 
     @staticmethod

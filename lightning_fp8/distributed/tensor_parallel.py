@@ -57,7 +57,7 @@ from lightning_fp8.distributed.sequence_parallel import (
 )
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.modules.gathered_fp8 import CastKey, PrecastFP8Input
+from lightning_fp8.modules.gathered_fp8 import CastKey, GatheredFP8Input
 from lightning_fp8.modules.local_shards import LAYOUT_ATTR, TensorParallelLayout, localize_fp8_state
 
 #: set on a module by the styles below: the list of styles applied to it (the plugins resolve their communication)
@@ -110,9 +110,9 @@ def _sequence_dim(input_layout, desired_layout, ndim: int) -> Optional[int]:
 
 
 def _gather_or_none(x: Any, layer: nn.Module, input_layout, desired_layout, mesh, style: "_FP8Communication"):
-    """The FP8-gathered input (PrecastFP8Input) where this layout change is a sequence-parallel all-gather feeding an
+    """The FP8-gathered input (GatheredFP8Input) where this layout change is a sequence-parallel all-gather feeding an
     FP8 layer; None where torch's redistribution applies."""
-    if not isinstance(x, torch.Tensor) or isinstance(x, PrecastFP8Input):
+    if not isinstance(x, torch.Tensor) or isinstance(x, GatheredFP8Input):
         return None
     seq = _sequence_dim(input_layout, desired_layout, x.dim())
     key = fp8_input_cast(layer) if seq is not None else None
@@ -162,7 +162,7 @@ class FP8ColwiseParallel(_FP8Communication, ColwiseParallel):
 
     def _prepare_fp8_input(self, mod: nn.Module, inputs: Tuple[Any, ...], device_mesh):
         x = inputs[0]
-        if isinstance(x, PrecastFP8Input):
+        if isinstance(x, GatheredFP8Input):
             return x  # gathered in FP8 already (PrepareFP8ModuleInput): the whole input, local
         gathered = _gather_or_none(x, mod, self.input_layouts[0], self.desired_input_layouts[0], device_mesh, self)
         if gathered is not None:

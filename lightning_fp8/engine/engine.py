@@ -50,12 +50,13 @@ from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.gradients import GradientUnscaler, iteration_params
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 from lightning_fp8.engine.rollback import FP8DivergenceError, RollbackBudget, SnapshotKeeper
-from lightning_fp8.engine.step_closer import ModelScales
+from lightning_fp8.engine.step_closer import ScalingStepCloser
 from lightning_fp8.engine.snapshot import optimizer_params
 from lightning_fp8.modules.linear import FP8Linear
 from lightning_fp8.modules.local_shards import localize_fp8_state
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.state_format import FORMAT_VERSION_KEY, format_version
+from lightning_fp8.renamed import warn_renamed
 
 log = logging.getLogger("lightning_fp8")
 
@@ -99,7 +100,7 @@ class FP8TrainingEngine:
         self.scaler = LossScaler(mode, init_scale=self.config.init_loss_scale, growth_interval=self.config.growth_interval)
         self.model: Optional[nn.Module] = None
         self.layers: Dict[str, FP8Linear] = {}
-        self.scales = ModelScales({})
+        self.step_closer = ScalingStepCloser({})
         self.optimizers: List[torch.optim.Optimizer] = []
         self.lr_schedulers: List[Any] = []
         #: the framework handed over every LR scheduler it holds (`track`): no warning at a rollback without one
@@ -143,7 +144,7 @@ class FP8TrainingEngine:
         kept = set(map(id, self.layers.values()))
         released = [layer for layer in previous.values() if id(layer) not in kept]
         for layer in released:
-            layer.autoupdate_scales = True
+            layer.closes_own_steps = True
         if released:
             warnings.warn(
                 f"lightning_fp8: another model was set up with this FP8 plugin; its engine (once-per-iteration "
@@ -156,13 +157,13 @@ class FP8TrainingEngine:
             )
         sharded = is_fsdp_sharded(model)
         for layer in self.layers.values():
-            layer.autoupdate_scales = False
+            layer.closes_own_steps = False
             # FSDP2 frees a gathered weight after its forward: keeping W^T for backward would hold a whole unsharded
             # weight per layer (1 byte per parameter); the backward casts it from the re-gathered weight instead
             layer.keep_weight_transpose = not sharded
-        self.scales = ModelScales(self.layers)
+        self.step_closer = ScalingStepCloser(self.layers)
         # a loss-scale change scales every gradient amax by the same factor: delayed gradient scales follow it
-        self.scaler.on_change = self.scales.rescale_gradient_history
+        self.scaler.on_change = self.step_closer.rescale_gradient_history
         self._snapshots.drop()  # another model: the next decision takes a fresh snapshot
 
     def track(self, optimizers: Sequence[torch.optim.Optimizer], lr_schedulers: Sequence[Any] = ()) -> None:
@@ -292,8 +293,8 @@ class FP8TrainingEngine:
         flags = self._decision_flags()
         values = flags.read()  # the iteration's one device-to-host read; every rank reads the same flags
         grads_bad, loss_bad, spike, weights_bad = (values[name][0] > 0 for name in ("gradients", "loss", "spike", "weights"))
-        overflow_layers = [key for key, flag in zip(self.scales.keys, values["overflows"]) if flag]
-        self.scales.learn_sizes(values["sized"])  # the next forward's delayed casts skip their amax pre-pass
+        overflow_layers = [key for key, flag in zip(self.step_closer.keys, values["overflows"]) if flag]
+        self.step_closer.learn_sizes(values["sized"])  # the next forward's delayed casts skip their amax pre-pass
         if weights_bad:  # a forward on non-finite weights overflows everywhere: no layer to blame for it
             overflow_layers = []
         self.overflow_events.update(overflow_layers)
@@ -343,8 +344,8 @@ class FP8TrainingEngine:
         flags.agree("loss", (~finite).float() if loss is not None else None)
         flags.agree("spike", (finite & (loss > threshold)).float() if loss is not None and threshold is not None else None)
         flags.agree("weights", self._weights_flag)
-        flags.agree("overflows", self.scales.overflow_flags(), numel=len(self.scales.keys))
-        flags.agree("sized", self.scales.sized_flags(), numel=len(self.scales.keys))
+        flags.agree("overflows", self.step_closer.overflow_flags(), numel=len(self.step_closer.keys))
+        flags.agree("sized", self.step_closer.sized_flags(), numel=len(self.step_closer.keys))
         flags.local("loss value", loss)
         self._weights_flag, self._norm_flags = None, []
         return flags
@@ -367,7 +368,7 @@ class FP8TrainingEngine:
         self.step_count += 1
         if not result.rolled_back:  # a rollback set the loss scale already
             self.scaler.update(overflow=self._overflow)
-        self.scales.close_step(taken=result.applied)
+        self.step_closer.close_step(taken=result.applied)
         if result.applied:
             if self.step_count % self.config.snapshot_every == 0:
                 # a snapshot replaces the last good state: its weights are checked first, here (the one read of a
@@ -395,9 +396,14 @@ class FP8TrainingEngine:
         self._grads.forget()
 
     # -- scales -------------------------------------------------------------------------------------------------
-    def update_scales(self) -> None:
+    def close_scaling_step(self) -> None:
         """Close a scaling step outside an iteration (calibration does, once per calibration batch)."""
-        self.scales.close_step(taken=True)
+        self.step_closer.close_step(taken=True)
+
+    def update_scales(self) -> None:
+        """Deprecated name of `close_scaling_step` (removed in 0.3)."""
+        warn_renamed("FP8TrainingEngine.update_scales()", "FP8TrainingEngine.close_scaling_step()")
+        self.close_scaling_step()
 
     # -- checks -------------------------------------------------------------------------------------------------
     def _weights_due(self) -> bool:
@@ -439,8 +445,8 @@ class FP8TrainingEngine:
                 warnings.warn(f"lightning_fp8: the rollback snapshot holds no state for {missing}: left as they are")
             self._warn_if_no_scheduler()
         self.scaler.backoff()
-        self.scales.discard_open_step()  # the restored state is between iterations
-        self.scales.forget_sizes()  # the restored histories are not the ones the decision read
+        self.step_closer.discard_open_step()  # the restored state is between iterations
+        self.step_closer.forget_sizes()  # the restored histories are not the ones the decision read
         self._weights_flag = None  # the restored weights were checked before their snapshot
         self.consecutive_skips = 0
         self._event("rollback", reason, [], iteration, restored_to_step=restored_to)
@@ -493,6 +499,6 @@ class FP8TrainingEngine:
         self._loss.load(state.get("loss_window", []))
         self.events = list(state.get("events", []))
         self._reset_iteration()
-        self.scales.forget_sizes()
+        self.step_closer.forget_sizes()
         self._snapshots.drop()  # a fresh snapshot is taken at the next decision
 

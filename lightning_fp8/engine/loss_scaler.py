@@ -69,7 +69,7 @@ class LossScaler:
         self.min_scale = min_scale
         self.clean_steps = 0
         #: called with the factor by which the scale changed (growth or back-off; not when a state is loaded):
-        #: delayed gradient scales follow it (ModelScales.rescale_gradient_history)
+        #: delayed gradient scales follow it (ScalingStepCloser.rescale_gradient_history)
         self.on_change: Optional[Callable[[float], None]] = None
 
     @property

@@ -1,7 +1,7 @@
 """Rollback snapshots: the last known-good training state in host memory, cheap enough to take often (`snapshot_every`).
 
 What a snapshot holds (everything an iteration can change): every parameter and persistent buffer of the model (the
-FP8 metadata included: its buffers are persistent in `FP8LinearMeta`, only the layer's state_dict leaves them out),
+FP8 metadata included: its buffers are persistent in `FP8LayerState`, only the layer's state_dict leaves them out),
 the state and hyperparameters (learning rate included) of every optimizer, the state of every LR scheduler, and the
 engine's own extra state (the loss scaler). Restoring copies the values back into the live tensors in place, so
 optimizer references to Parameters, weight tying and sharded (DTensor) parameters stay as they are.

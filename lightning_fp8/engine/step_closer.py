@@ -1,4 +1,4 @@
-"""ModelScales: closes the scaling step of every FP8 layer of a model at once, with a fixed number of tensor ops.
+"""ScalingStepCloser: closes the scaling step of every FP8 layer of a model at once, with a fixed number of tensor ops.
 
 The engine (engine.py) decides *when* a step ends and whether it was taken; this object does what ending it means for
 the scales, for all layers together:
@@ -25,20 +25,18 @@ import torch
 
 from lightning_fp8.engine.distributed import all_reduce_max_
 from lightning_fp8.modules.linear import FP8Layer
-from lightning_fp8.numerics.scaling import advance_history, reference_amax, step_flags
+from lightning_fp8.numerics.scaling import StepConstants, advance_history, reference_amax, step_flags
 from lightning_fp8.recipe import ROLES
 
-_CONSTANTS = ("fp8_max", "scaled", "delayed", "algo_max", "margin", "power_of_2")
 
-
-class ModelScales:
+class ScalingStepCloser:
     """The scaling states of `layers` ({fqn: FP8 layer}), closed together once per step."""
 
     def __init__(self, layers: Dict[str, FP8Layer]) -> None:
         self.layers = dict(layers)
         self.keys = [f"{fqn}.{role}" for fqn in self.layers for role in ROLES]
         self._constants_key: Tuple = ()
-        self._constants: Dict[str, torch.Tensor] = {}
+        self._constants: Optional[StepConstants] = None
 
     # -- per step -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -49,7 +47,7 @@ class ModelScales:
         if not self.layers:
             return None
         histories = self._histories()
-        _, overflow, _ = step_flags(torch.stack(histories), **self._recipe_constants(histories[0].device))
+        _, overflow, _ = step_flags(torch.stack(histories), self._recipe_constants(histories[0].device))
         return overflow.reshape(-1)
 
     @torch.no_grad()
@@ -61,7 +59,7 @@ class ModelScales:
         if not self.layers:
             return None
         stacked = torch.stack(self._histories())
-        algo_max = self._recipe_constants(stacked.device)["algo_max"]
+        algo_max = self._recipe_constants(stacked.device).algo_max
         return (reference_amax(stacked, algo_max) > 0).reshape(-1)
 
     def learn_sizes(self, flags: List[float]) -> None:
@@ -85,7 +83,7 @@ class ModelScales:
         histories = [meta.amax_history for meta in metas]
         stacked = torch.stack(histories)
         constants = self._recipe_constants(stacked.device)
-        clean, overflow, clip = step_flags(stacked, **constants)
+        clean, overflow, clip = step_flags(stacked, constants)
         # one collective: every rank advances with the same amaxes (so every rank has the same scales) and counts
         # the same overflows and clips (an event on any rank counts on all, so their FP8 metadata stays identical)
         events = torch.stack([overflow, clip]).to(torch.float32)
@@ -117,16 +115,15 @@ class ModelScales:
     def _histories(self) -> List[torch.Tensor]:
         return [layer.fp8_meta.amax_history for layer in self.layers.values()]
 
-    def _recipe_constants(self, device: torch.device) -> Dict[str, torch.Tensor]:
+    def _recipe_constants(self, device: torch.device) -> StepConstants:
         """Per (layer, role) recipe constants, stacked; rebuilt only when a layer's recipe or device changes."""
         key = tuple((id(layer.fp8_meta.recipe), layer.fp8_meta.recipe_fp8_max.device) for layer in self.layers.values())
         if key != self._constants_key:
             metas = [layer.fp8_meta for layer in self.layers.values()]
-            self._constants = {
-                name: torch.stack([getattr(meta, f"recipe_{name}") for meta in metas]).to(device) for name in _CONSTANTS
-            }
+            per_layer = [meta.constants() for meta in metas]
+            self._constants = StepConstants(*(torch.stack(values).to(device) for values in zip(*per_layer)))
             self._constants_key = key
         return self._constants
 
 
-__all__ = ["ModelScales"]
+__all__ = ["ScalingStepCloser"]

@@ -1,7 +1,7 @@
 """How each tensor role of an FP8 layer is cast: one caster per scaling family, chosen from the recipe
 (`caster_for`), each turning the recipe into the arguments of one cast op (lightning_fp8/kernels) and the op's output
 into an `FP8Operand`. The ops read the role's amax history, derive the scale on the device, cast, and record the
-tensor's amax into the history's open slot. Also here: the scale a cast uses, for observers (`cast_scale`), and a
+tensor's amax into the history's open slot. Also here: the scale a cast uses, for observers (`observed_cast_scale`), and a
 cast with a known scale and no state (`cast_to_fp8`).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Caster:
     """Casts the tensor roles of a layer for one scaling family (Transformer Engine's Quantizer; torchao's
     Float8TrainingTensor constructors). `caster_for(recipe)` picks the family once from the recipe.
 
-    Every method takes 2-D tensors; `history` is the layer's [3, L+1] amax history (FP8LinearMeta.amax_history)."""
+    Every method takes 2-D tensors; `history` is the layer's [3, L+1] amax history (FP8LayerState.amax_history)."""
 
     def __init__(self, recipe: FP8Recipe) -> None:
         self.recipe = recipe
@@ -206,7 +206,7 @@ def caster_for(recipe: FP8Recipe, offsets: Optional[Tensor] = None) -> Caster:
     return PerTensorCaster(recipe)
 
 
-def cast_scale(
+def observed_cast_scale(
     x: Tensor, amax: Tensor, state: RoleState, recipe: FP8Recipe, role: str, record: bool, fmt: FP8Format
 ) -> Tensor:
     """The scale the cast of `x` (amax `amax`) uses under the recipe: observers call it to see what the cast saw.
@@ -264,5 +264,5 @@ def cast_to_fp8(
     return out_t if layout == "t" else (out, out_t)
 
 
-__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "GroupedCaster", "caster_for", "cast_scale", "cast_to_fp8",
+__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "GroupedCaster", "caster_for", "observed_cast_scale", "cast_to_fp8",
            "scaling_mode"]

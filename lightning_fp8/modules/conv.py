@@ -25,7 +25,6 @@ from torch import nn
 from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.conv_function import fine_grained_conv, per_tensor_conv
 from lightning_fp8.modules.conv_layout import ConvGeometry, is_channels_last
-from lightning_fp8.modules.layer_state import ROLE_INDEX
 from lightning_fp8.modules.linear_gemms import GemmConfig
 from lightning_fp8.modules.linear import FP8Layer, _output_dtype
 from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
@@ -100,9 +99,9 @@ class FP8ConvNd(FP8Layer):
             caster = caster_for(recipe)
             x_fp8, x_scale_inv = _cast_input(caster, x4, meta, training)
             w_cast = caster.cast(weight.reshape(weight.shape[0], -1), meta.amax_history, "weight", training,
-                                 history_sized=meta.history_sized[ROLE_INDEX["weight"]])
+                                 history_sized=meta.weight.history_sized)
             cfg = GemmConfig(recipe, out_dtype, training,
-                             grad_history_sized=training and meta.history_sized[ROLE_INDEX["grad_output"]])
+                             grad_history_sized=training and meta.grad_output.history_sized)
             y = per_tensor_conv(x4, w4, bias, x_fp8, x_scale_inv, w_cast.matrix.data.view(w4.shape), w_cast.scale,
                                 w_cast.matrix.scale_inv, meta.amax_history, observer, cfg, geometry)
         # the output in the layout nn.Conv2d gives it: channels-last where the input or the weight is
@@ -143,10 +142,10 @@ def _cast_input(caster, x4: Tensor, meta, training: bool):
     n, c, h, w = x4.shape
     if is_channels_last(x4):
         x_cast = caster.cast(x4.permute(0, 2, 3, 1).reshape(-1, c), meta.amax_history, "input", training,
-                             history_sized=meta.history_sized[ROLE_INDEX["input"]])
+                             history_sized=meta.input.history_sized)
         return x_cast.matrix.data.view(n, h, w, c).permute(0, 3, 1, 2), x_cast.matrix.scale_inv
     x_cast = caster.cast(x4.contiguous().view(-1, w), meta.amax_history, "input", training,
-                         history_sized=meta.history_sized[ROLE_INDEX["input"]])
+                         history_sized=meta.input.history_sized)
     return x_cast.matrix.data.view(n, c, h, w), x_cast.matrix.scale_inv
 
 

@@ -126,7 +126,7 @@ class FP8ConvGemms(torch.autograd.Function):
             ctx.observer("grad_output", grad_out)
         g2d = grad_out.permute(0, 2, 3, 1).reshape(-1, grad_out.shape[1])  # a view for channels-last gradients
         caster = caster_for(cfg.recipe)
-        dy = caster.cast(g2d, ctx.history, "grad_output", cfg.record, layouts=(True, needs_wgrad),
+        dy = caster.cast(g2d, ctx.history, "grad_output", cfg.training, layouts=(True, needs_wgrad),
                          history_sized=cfg.grad_history_sized)
         g_fp8, g_scale_inv = dy.matrix.data, dy.matrix.scale_inv
         o = g2d.shape[1]

@@ -23,7 +23,7 @@ import torch
 
 from lightning_fp8.kernels.cpu_kernels import memory_bound_threads
 from lightning_fp8.kernels.device import profile_of
-from lightning_fp8.modules.operand import FP4, GemmOperands
+from lightning_fp8.modules.operand import FP4, GemmRequest
 from lightning_fp8.numerics import microscaling
 from lightning_fp8.numerics.groups import group_of_rows
 from lightning_fp8.numerics.tiles import exact_in_bf16, tiled_gemm_reference, times_tiles
@@ -31,7 +31,7 @@ from lightning_fp8.numerics.tiles import exact_in_bf16, tiled_gemm_reference, ti
 Tensor = torch.Tensor
 
 
-def emulate(operands: GemmOperands, bf16: Optional[bool] = None) -> Tensor:
+def emulate(operands: GemmRequest, bf16: Optional[bool] = None) -> Tensor:
     """out = A @ B + bias of `operands`, rounded once to its out_dtype (module docstring).
 
     bf16: run the products as a BF16 GEMM where exact (True) or in float32 (False); default: BF16 where this CPU
@@ -59,7 +59,7 @@ def _use_bf16(bf16: Optional[bool]) -> bool:
 
 
 # -- per-tensor scales ------------------------------------------------------------------------------------------------
-def _tensorwise(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
+def _tensorwise(operands: GemmRequest, bf16: Optional[bool]) -> Tensor:
     a, b, out_dtype, bias = operands.a, operands.b, operands.out_dtype, operands.bias
     if (out_dtype == torch.bfloat16 and profile_of(a.data.device).host_checks_allowed and _use_bf16(bf16)
             and _is_power_of_2(a.scale_inv) and _is_power_of_2(b.scale_inv)):
@@ -71,7 +71,7 @@ def _tensorwise(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
     return out.to(out_dtype)
 
 
-def _bf16_tensorwise(operands: GemmOperands) -> Tensor:
+def _bf16_tensorwise(operands: GemmRequest) -> Tensor:
     """Why a BF16 GEMM is exact here: every FP8 value is exact in BF16 (`fp8_bf16_image`); this CPU's BF16 GEMMs
     multiply exactly and accumulate in float32, like the tensor cores; and with power-of-two scales the scaling
     commutes with every rounding: round(acc) * 2^k == round(acc * 2^k) (outside BF16's subnormal range).
@@ -116,7 +116,7 @@ def dequantized(data: Tensor, scale_inv: Tensor, tile, dtype: torch.dtype) -> Te
     return times_tiles(image, scale_inv.to(dtype), tile)
 
 
-def _tiled(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
+def _tiled(operands: GemmRequest, bf16: Optional[bool]) -> Tensor:
     a, b, out_dtype, bias = operands.a, operands.b, operands.out_dtype, operands.bias
     host = profile_of(a.data.device).host_checks_allowed  # a real CPU: reading the scales costs no synchronisation
     if host and not (exact_in_bf16(a.scale_inv) and exact_in_bf16(b.scale_inv)):
@@ -135,7 +135,7 @@ def _tiled(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
 
 
 # -- microscaled (MXFP8, NVFP4) ---------------------------------------------------------------------------------------
-def _microscaled(operands: GemmOperands, bf16: Optional[bool]) -> Tensor:
+def _microscaled(operands: GemmRequest, bf16: Optional[bool]) -> Tensor:
     """Each operand's exact values times its block scales, one GEMM with float32 accumulation, times the tensor scales
     (NVFP4), plus bias, rounded once: `microscaling.gemm_reference` up to summation order where no dequantized value
     leaves BF16's exponent range (MX scales within 2^+-100; otherwise the per-block definition runs)."""
@@ -263,8 +263,8 @@ def _remember_image(x: Tensor, image: Tensor) -> None:
 
 
 # -- grouped GEMMs (mixture-of-experts layers) ----------------------------------------------------------------------
-def emulate_grouped(operands: GemmOperands) -> Tensor:
-    """A grouped GEMM (`GemmOperands.offsets`, rowwise scales: numerics/groups.py) without FP8 tensor cores: the exact
+def emulate_grouped(operands: GemmRequest) -> Tensor:
+    """A grouped GEMM (`GemmRequest.offsets`, rowwise scales: numerics/groups.py) without FP8 tensor cores: the exact
     FP8 values multiplied per group by torch's grouped GEMM in float32, then each output scaled by its row's and
     column's dequant scales and rounded once (`numerics.groups.grouped_gemm_reference` up to summation order). Rows
     past the last offset come out zero."""

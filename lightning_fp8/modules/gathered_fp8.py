@@ -1,8 +1,8 @@
-"""PrecastFP8Weight / PrecastFP8Input: an operand that reaches an FP8 layer already cast to FP8, with its scale.
+"""GatheredFP8Weight / GatheredFP8Input: an operand that reaches an FP8 layer already cast to FP8, with its scale.
 
 Two producers cast a layer's operand before the layer runs, so that the bytes that travel between ranks are FP8:
-FSDP2's FP8 all-gather of a weight (PrecastFP8Weight) and tensor parallelism's FP8 all-gather of a sequence-parallel
-input (PrecastFP8Input, lightning_fp8/distributed/sequence_parallel.py). Both are a `PrecastFP8Tensor`; what follows
+FSDP2's FP8 all-gather of a weight (GatheredFP8Weight) and tensor parallelism's FP8 all-gather of a sequence-parallel
+input (GatheredFP8Input, lightning_fp8/distributed/sequence_parallel.py). Both are a `GatheredFP8Tensor`; what follows
 says "weight", and holds for an input the same way (its role is "input", its GEMMs forward and wgrad).
 
 Why it exists: under FSDP2 with FP8 all-gather (lightning_fp8/distributed/all_gather.py) every rank casts its shard
@@ -71,14 +71,14 @@ class CastKey:
 class HighPrecisionSource(Protocol):
     """Where a precast operand's exact high-precision values come from (its producer provides it)."""
 
-    def high_precision(self, weight: "PrecastFP8Tensor") -> Tensor:
+    def high_precision(self, weight: "GatheredFP8Tensor") -> Tensor:
         """The whole weight in `weight.dtype`, differentiable: its gradient is `weight`'s gradient."""
 
     def local_high_precision(self) -> Tensor:
         """The part of the weight this process holds, without communication (what observers sample)."""
 
 
-class PrecastFP8Tensor(Tensor):
+class GatheredFP8Tensor(Tensor):
     """An operand already cast to FP8: data + scale, presenting the shape and dtype of the high-precision tensor (so
     autograd gives it an ordinary gradient). See the module docstring for who reads what."""
 
@@ -95,7 +95,7 @@ class PrecastFP8Tensor(Tensor):
 
     @staticmethod
     def __new__(cls, data: Tensor, scale: Tensor, amax: Tensor, cast_key: CastKey, source: HighPrecisionSource,
-                dtype: torch.dtype, requires_grad: bool = False) -> "PrecastFP8Tensor":
+                dtype: torch.dtype, requires_grad: bool = False) -> "GatheredFP8Tensor":
         return Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             device=data.device, requires_grad=requires_grad,
@@ -126,11 +126,11 @@ class PrecastFP8Tensor(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _VIEW_OPS and isinstance(args[0], PrecastFP8Tensor):
+        if func in _VIEW_OPS and isinstance(args[0], GatheredFP8Tensor):
             src = args[0]
             return type(src)(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.cast_key, src._source,
                              src.dtype)
-        found = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PrecastFP8Tensor)]
+        found = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, GatheredFP8Tensor)]
         raise RuntimeError(
             f"lightning_fp8: {func} was called on {found[0].DESCRIPTION} ({type(found[0]).__name__}). Such a tensor is "
             "only read by the FP8 layers it was cast for (FP8 GEMMs, or the exact high-precision values for every "
@@ -154,11 +154,12 @@ class PrecastFP8Tensor(Tensor):
         return self._source.local_high_precision()
 
     @torch.no_grad()
-    def fp8_operands(self, history: Tensor, weight_role: int, record: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        """(w_fp8, scale, scale_inv) for the forward GEMM, as `scaled_cast` returns them; record=True accumulates the
-        full weight's amax into the role's open history slot, as the cast op would have."""
+    def fp8_operands(self, meta, record: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        """(data in FP8, scale, scale_inv) for the forward GEMM, as `scaled_cast` returns them; record=True accumulates
+        the full tensor's amax into the open history slot of its role (`ROLE`) in the layer state `meta`, as the cast
+        op would have."""
         if record:
-            slot = history[weight_role, 0]
+            slot = meta.role(self.ROLE).amax_history[0]
             slot.copy_(torch.maximum(slot, self._amax))  # torch.maximum propagates NaN, as the cast op's record does
         scale = self._scale.clone()  # copies: autograd saves them, and a re-gather updates the originals in place
         return self._data, scale, scale.reciprocal()
@@ -177,7 +178,7 @@ class PrecastFP8Tensor(Tensor):
         self.cast_key = cast_key
 
 
-class PrecastFP8Weight(PrecastFP8Tensor):
+class GatheredFP8Weight(GatheredFP8Tensor):
     """A weight FSDP2 all-gathered in FP8 (lightning_fp8/distributed/all_gather.py)."""
 
     ROLE = "weight"
@@ -186,7 +187,7 @@ class PrecastFP8Weight(PrecastFP8Tensor):
               "forward, turn FP8 all-gather off for it (fp8_all_gather=False, or keep the layer out of FP8).")
 
 
-class PrecastFP8Input(PrecastFP8Tensor):
+class GatheredFP8Input(GatheredFP8Tensor):
     """A sequence-parallel input tensor parallelism all-gathered in FP8 (lightning_fp8/distributed/sequence_parallel.py):
     the whole sequence, cast once with one scale every rank of the tensor-parallel group agreed on."""
 
@@ -197,17 +198,17 @@ class PrecastFP8Input(PrecastFP8Tensor):
               "all-gather).")
 
 
-def resolve_precast(tensor: Tensor, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
+def resolve_gathered(tensor: Tensor, recipe: FP8Recipe, record: bool, fp8: bool) -> Tensor:
     """`tensor` unless it is a precast operand that this forward cannot consume as it is (see `resolve`)."""
-    if isinstance(tensor, PrecastFP8Tensor):
+    if isinstance(tensor, GatheredFP8Tensor):
         return tensor.resolve(recipe, record, fp8)
     return tensor
 
 
 def observed_weight(tensor: Tensor) -> Tensor:
     """What an observer samples for `tensor` (a precast operand's high-precision local part)."""
-    return tensor.observed() if isinstance(tensor, PrecastFP8Tensor) else tensor
+    return tensor.observed() if isinstance(tensor, GatheredFP8Tensor) else tensor
 
 
-__all__ = ["PrecastFP8Tensor", "PrecastFP8Weight", "PrecastFP8Input", "CastKey", "HighPrecisionSource",
-           "resolve_precast", "observed_weight"]
+__all__ = ["GatheredFP8Tensor", "GatheredFP8Weight", "GatheredFP8Input", "CastKey", "HighPrecisionSource",
+           "resolve_gathered", "observed_weight"]

@@ -29,7 +29,7 @@ import torch
 from lightning_fp8.kernels.device import autocast_off, profile_of
 from lightning_fp8.modules.emulation import cpu_has_native_bf16, emulate, emulate_grouped
 from lightning_fp8.modules.gpu_model import MODELLED_GPUS, run_on_gpu_model
-from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 from lightning_fp8.modules.scaled_mm import Refusal, ScaledMMCall, ScaledMMTarget, plan_scaled_mm
 
 Tensor = torch.Tensor
@@ -105,13 +105,13 @@ def _user_stacklevel() -> int:
 
 
 # -- recording requests (the CUDA contract suite) ---------------------------------------------------------------------
-_recorders: List[List[GemmOperands]] = []
+_recorders: List[List[GemmRequest]] = []
 
 
 @contextlib.contextmanager
-def record_gemms() -> Iterator[List[GemmOperands]]:
+def record_gemms() -> Iterator[List[GemmRequest]]:
     """Every FP8 GEMM requested inside the block (real, fake or meta tensors), as the layer passed it."""
-    records: List[GemmOperands] = []
+    records: List[GemmRequest] = []
     _recorders.append(records)
     try:
         yield records
@@ -134,12 +134,12 @@ def fp8_gemm(
     """out = A @ B + bias for A (M, K) and B (K, N) with their scales (FP8Matrix), rounded once to out_dtype.
 
     backend: FP8Recipe.backend ("auto", "scaled_mm", "emulated", "h100", "rtx4060"); allow_emulation:
-    FP8Recipe.allow_emulation (module docstring). offsets: a grouped GEMM's groups (GemmOperands.offsets: B (E, K, N)
+    FP8Recipe.allow_emulation (module docstring). offsets: a grouped GEMM's groups (GemmRequest.offsets: B (E, K, N)
     over A's grouped rows, or a grouped contraction giving (E, M, N)). The op has no autograd formula: the layers'
     autograd function computes every gradient itself."""
     if _recorders:
         for records in _recorders:
-            records.append(GemmOperands(a, b, out_dtype, bias, use_fast_accum, offsets))
+            records.append(GemmRequest(a, b, out_dtype, bias, use_fast_accum, offsets))
     return torch.ops.lightning_fp8.fp8_gemm(
         a.data, a.scale_inv, _tile_arg(a.tile), a.tensor_scale, b.data, b.scale_inv, _tile_arg(b.tile),
         b.tensor_scale, out_dtype, bias, use_fast_accum, backend, allow_emulation, offsets,
@@ -171,7 +171,7 @@ def _fp8_gemm_op(
     allow_emulation: bool,
     offsets: Optional[Tensor] = None,
 ) -> Tensor:
-    operands = GemmOperands(FP8Matrix(a, a_scale_inv, _tile(a_tile), a_tensor_scale),
+    operands = GemmRequest(FP8Matrix(a, a_scale_inv, _tile(a_tile), a_tensor_scale),
                             FP8Matrix(b, b_scale_inv, _tile(b_tile), b_tensor_scale), out_dtype, bias, use_fast_accum,
                             offsets)
     return run_gemm(operands, backend, allow_emulation)
@@ -190,7 +190,7 @@ def _fp8_gemm_fake(a, a_scale_inv, a_tile, a_tensor_scale, b, b_scale_inv, b_til
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def run_gemm(operands: GemmOperands, backend: str = "auto", allow_emulation: bool = False) -> Tensor:
+def run_gemm(operands: GemmRequest, backend: str = "auto", allow_emulation: bool = False) -> Tensor:
     """The GEMM `operands` asks for: the planned scaled GEMM where the device takes it, else the emulation."""
     device = operands.a.data.device
     profile = profile_of(device)

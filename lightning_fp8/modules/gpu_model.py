@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, U
 
 import torch
 
-from lightning_fp8.modules.operand import GemmOperands
+from lightning_fp8.modules.operand import GemmRequest
 from lightning_fp8.modules.scaled_mm import TENSORWISE, Refusal, ScaledMMCall, plan_scaled_mm, target_for
 
 Tensor = torch.Tensor
@@ -129,7 +129,7 @@ def _no_workspace() -> bool:
     return any(knowledge.no_workspace for knowledge in _knowledge)
 
 
-def modelled_call(operands: GemmOperands, backend: str) -> ScaledMMCall:
+def modelled_call(operands: GemmRequest, backend: str) -> ScaledMMCall:
     """The scaled-GEMM call the GPU of `backend` would be issued for `operands` (the planner's, for its architecture
     with the running torch's rules), or UnmodelledGemmError naming what is modelled."""
     gpu = MODELLED_GPUS[backend]
@@ -150,7 +150,7 @@ def modelled_call(operands: GemmOperands, backend: str) -> ScaledMMCall:
     return plan
 
 
-def run_on_gpu_model(operands: GemmOperands, backend: str) -> Tensor:
+def run_on_gpu_model(operands: GemmRequest, backend: str) -> Tensor:
     """out = A @ B (+ bias) of `operands` with the bits the GPU of `backend` returns (module docstring)."""
     call = modelled_call(operands, backend)
     if call.mat_a.device.type == "meta":  # shapes only (a launch trace): nothing to compute

@@ -1,4 +1,4 @@
-"""FP8LinearMeta: the FP8 scaling state of one layer, as a few buffers the whole model's steps can close at once.
+"""FP8LayerState: the FP8 scaling state of one layer, as a few buffers the whole model's steps can close at once.
 
 Buffers (what `fp8_state_dict` saves; they round-trip exactly):
   amax_history    float32 [3, L+1]: one row per tensor role (input, weight, grad_output), slot 0 the step in
@@ -27,13 +27,14 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from lightning_fp8.numerics.scaling import reference_amax, scale_from_amax
+from lightning_fp8.numerics.scaling import StepConstants, reference_amax, scale_from_amax
 from lightning_fp8.recipe import ROLES, FP8Recipe
+from lightning_fp8.renamed import renamed_module_names
 
 ROLE_INDEX = {role: i for i, role in enumerate(ROLES)}
 
 
-class FP8LinearMeta(nn.Module):
+class FP8LayerState(nn.Module):
     """The FP8 metadata of one layer (see the module docstring)."""
 
     def __init__(self, recipe: FP8Recipe, device=None) -> None:
@@ -59,16 +60,7 @@ class FP8LinearMeta(nn.Module):
         self.recipe = recipe
         self.forget_sizes()
         device = self.amax_history.device
-        fmts = [recipe.format_for(role) for role in ROLES]
-        constants = {
-            "fp8_max": torch.tensor([f.max for f in fmts], dtype=torch.float32, device=device),
-            "scaled": torch.tensor([recipe.uses_scaling_for(r) for r in ROLES], dtype=torch.bool, device=device),
-            "delayed": torch.tensor([recipe.scaling == "delayed"] * len(ROLES), dtype=torch.bool, device=device),
-            "algo_max": torch.tensor([recipe.amax_compute_algo == "max"] * len(ROLES), dtype=torch.bool, device=device),
-            "margin": torch.tensor([float(recipe.margin)] * len(ROLES), dtype=torch.float32, device=device),
-            "power_of_2": torch.tensor([recipe.power_of_2_scales] * len(ROLES), dtype=torch.bool, device=device),
-        }
-        for name, value in constants.items():
+        for name, value in zip(StepConstants._fields, _step_constants(recipe, device)):
             self.register_buffer(f"recipe_{name}", value, persistent=False)
         if self.amax_history.shape[1] != recipe.amax_history_len + 1:
             self.amax_history = _resize_history(self.amax_history, recipe.amax_history_len + 1)
@@ -110,9 +102,9 @@ class FP8LinearMeta(nn.Module):
         """The histories may no longer size a delayed scale: the next delayed casts take their pre-pass."""
         self.history_sized = [False] * len(ROLES)
 
-    def constants(self) -> Dict[str, torch.Tensor]:
-        """The per-role recipe constants close_step takes (fp8_max, scaled, delayed, algo_max, margin, power_of_2)."""
-        return {name: getattr(self, f"recipe_{name}") for name in ("fp8_max", "scaled", "delayed", "algo_max", "margin", "power_of_2")}
+    def constants(self) -> StepConstants:
+        """The per-role recipe constants closing a step reads (the `recipe_*` buffers, moved with the layer)."""
+        return StepConstants(*(getattr(self, f"recipe_{name}") for name in StepConstants._fields))
 
     # -- views per role ------------------------------------------------------------------------------------------
     def role(self, role: str) -> "RoleState":
@@ -182,8 +174,8 @@ class FP8LinearMeta(nn.Module):
             _RESTARTED.add(self)
 
 
-#: FP8 states whose layer's weights were loaded without them while they were fresh (`FP8LinearMeta.restarted_as`)
-_RESTARTED: "weakref.WeakSet[FP8LinearMeta]" = weakref.WeakSet()
+#: FP8 states whose layer's weights were loaded without them while they were fresh (`FP8LayerState.restarted_as`)
+_RESTARTED: "weakref.WeakSet[FP8LayerState]" = weakref.WeakSet()
 
 
 def report_restarted_scaling() -> None:
@@ -215,7 +207,7 @@ def report_restarted_scaling() -> None:
 
 
 class RoleState:
-    """One tensor role's view of a layer's FP8LinearMeta (`layer.fp8_meta.input`, `.weight`, `.grad_output`).
+    """One tensor role's view of a layer's FP8LayerState (`layer.fp8_meta.input`, `.weight`, `.grad_output`).
 
     `amax_history`, `overflow_count` and `clip_count` are views into the layer's buffers; `scale` and `initialized`
     are derived: the scale the role's next delayed-scaling cast will use under the layer's recipe, and whether the
@@ -223,7 +215,7 @@ class RoleState:
 
     __slots__ = ("meta", "name", "index")
 
-    def __init__(self, meta: FP8LinearMeta, role: str) -> None:
+    def __init__(self, meta: FP8LayerState, role: str) -> None:
         self.meta = meta
         self.name = role
         self.index = ROLE_INDEX[role]
@@ -235,6 +227,12 @@ class RoleState:
     @property
     def overflow_count(self) -> torch.Tensor:
         return self.meta.overflow_count[self.index]
+
+    @property
+    def history_sized(self) -> bool:
+        """The engine read that this role's history sizes a delayed scale (its delayed casts skip the amax pre-pass);
+        False until it has, and after the histories were replaced."""
+        return self.meta.history_sized[self.index]
 
     @property
     def clip_count(self) -> torch.Tensor:
@@ -297,6 +295,19 @@ class RoleState:
 _STREAM_ATTRIBUTE = "_lightning_fp8_rng_state"
 
 
+def _step_constants(recipe: FP8Recipe, device) -> StepConstants:
+    """The recipe's constants for closing a step, one value per tensor role (input, weight, grad_output)."""
+    roles = len(ROLES)
+    return StepConstants(
+        fp8_max=torch.tensor([recipe.format_for(r).max for r in ROLES], dtype=torch.float32, device=device),
+        scaled=torch.tensor([recipe.uses_scaling_for(r) for r in ROLES], dtype=torch.bool, device=device),
+        delayed=torch.tensor([recipe.scaling == "delayed"] * roles, dtype=torch.bool, device=device),
+        algo_max=torch.tensor([recipe.amax_compute_algo == "max"] * roles, dtype=torch.bool, device=device),
+        margin=torch.tensor([float(recipe.margin)] * roles, dtype=torch.float32, device=device),
+        power_of_2=torch.tensor([recipe.power_of_2_scales] * roles, dtype=torch.bool, device=device),
+    )
+
+
 def uses_rounding_stream(recipe: FP8Recipe) -> bool:
     """Whether a recipe's casts draw stochastic rounding's numbers from the layer's own stream (NVFP4 with stochastic
     gradients: the fused cast generates them in-kernel)."""
@@ -312,8 +323,8 @@ def new_rounding_stream(device=None, generator: Optional[torch.Generator] = None
 
 def stochastic_rounding_state(history: torch.Tensor, device=None,
                               generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """The stream state of the layer whose amax history this is (FP8LinearMeta.rng_state, mutated by the casts that
-    draw from it); a history of no such layer (a cast outside FP8LinearMeta, an FP8LinearMeta pickled before the stream
+    """The stream state of the layer whose amax history this is (FP8LayerState.rng_state, mutated by the casts that
+    draw from it); a history of no such layer (a cast outside FP8LayerState, an FP8LayerState pickled before the stream
     existed) gets a transient stream seeded from `generator` (torch's default): one draw per cast."""
     stream = getattr(history, _STREAM_ATTRIBUTE, None)
     if stream is not None:
@@ -351,5 +362,7 @@ def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
             state_dict.pop(f"{prefix}{role}.{name}", None)
 
 
-__all__ = ["FP8LinearMeta", "RoleState", "ROLE_INDEX", "stochastic_rounding_state", "uses_rounding_stream",
+__all__ = ["FP8LayerState", "RoleState", "ROLE_INDEX", "stochastic_rounding_state", "uses_rounding_stream",
            "new_rounding_stream", "report_restarted_scaling"]
+
+__getattr__ = renamed_module_names(__name__, {"FP8LinearMeta": ("FP8LayerState", FP8LayerState)})

@@ -17,18 +17,19 @@ from torch import nn
 from lightning_fp8 import kernels
 from lightning_fp8.modules.autocast import current_state
 from lightning_fp8.modules.cast import caster_for
-from lightning_fp8.modules.layer_state import ROLE_INDEX, FP8LinearMeta, report_restarted_scaling
+from lightning_fp8.modules.layer_state import FP8LayerState, report_restarted_scaling
 from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
 from lightning_fp8.modules.gathered_fp8 import (
-    PrecastFP8Input,
-    PrecastFP8Weight,
+    GatheredFP8Input,
+    GatheredFP8Weight,
     observed_weight,
-    resolve_precast,
+    resolve_gathered,
 )
 from lightning_fp8.modules.local_shards import is_dtensor, parallel_forward, refuse_gathered_input
 from lightning_fp8.numerics.quantize import tensor_amax
 from lightning_fp8.recipe import PER_TENSOR_SCALINGS, FP8Recipe
+from lightning_fp8.renamed import warn_renamed
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -72,7 +73,7 @@ class FP8Layer(nn.Module):
     fp8_weight_grads: Optional[Tuple[str, ...]] = None
 
     def _init_fp8(self, recipe: Optional[FP8Recipe], device) -> None:
-        self.fp8_meta = FP8LinearMeta(recipe if recipe is not None else FP8Recipe(), device=device)
+        self.fp8_meta = FP8LayerState(recipe if recipe is not None else FP8Recipe(), device=device)
         self._fp8_enabled = True
         #: why the layer is not in FP8 (None while it is); set by fallback logic
         self.fp8_disabled_reason: Optional[str] = None
@@ -80,7 +81,7 @@ class FP8Layer(nn.Module):
         #: FP8LayerFallback's escalation, shown in the precision map
         self.fp8_escalation_reason: Optional[str] = None
         #: False when an engine syncs and updates the scales (once per optimizer step, after an amax all-reduce)
-        self.autoupdate_scales = True
+        self.closes_own_steps = True
         #: keep the forward's FP8 W^T for the backward where the cast writes it (per-tensor recipes on CUDA): one
         #: launch less per step for 1 byte per weight element held. The engine sets it False under FSDP2, whose
         #: gathered weights are freed after the forward (keeping W^T would hold a whole unsharded weight per layer)
@@ -120,14 +121,30 @@ class FP8Layer(nn.Module):
 
     # -- scaling ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_scales(self, taken: bool = True) -> None:
+    def close_scaling_step(self, taken: bool = True) -> None:
         """Close this layer's scaling step for all three roles (numerics.scaling.close_step): count its overflows
         and clips, and move a taken step's amaxes into the history. An engine does this for every layer at once
         after each optimizer step; a layer trained without one does it lazily at its next training forward."""
         meta = self.fp8_meta
         torch.ops.lightning_fp8.close_scaling_step(
-            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants().values(), taken
+            meta.amax_history, meta.overflow_count, meta.clip_count, *meta.constants(), taken
         )
+
+    def update_scales(self, taken: bool = True) -> None:
+        """Deprecated name of `close_scaling_step` (removed in 0.3)."""
+        warn_renamed("FP8Layer.update_scales()", "FP8Layer.close_scaling_step()")
+        self.close_scaling_step(taken)
+
+    @property
+    def autoupdate_scales(self) -> bool:
+        """Deprecated name of `closes_own_steps` (removed in 0.3)."""
+        warn_renamed("FP8Layer.autoupdate_scales", "FP8Layer.closes_own_steps")
+        return self.closes_own_steps
+
+    @autoupdate_scales.setter
+    def autoupdate_scales(self, value: bool) -> None:
+        warn_renamed("FP8Layer.autoupdate_scales", "FP8Layer.closes_own_steps")
+        self.closes_own_steps = value
 
     def close_pending_step(self) -> None:
         """What a training forward does first when no engine closes the steps: close the step the previous
@@ -135,8 +152,8 @@ class FP8Layer(nn.Module):
         activation-checkpointing recompute, which must cast as its original forward did). Whatever casts this
         layer's weight before its forward (FSDP2's FP8 all-gather) calls it first, or it would cast with the
         history of the step before."""
-        if self.training and self.autoupdate_scales and not _recomputing():
-            self.update_scales()
+        if self.training and self.closes_own_steps and not _recomputing():
+            self.close_scaling_step()
 
     # -- forward ------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,8 +171,8 @@ class FP8Layer(nn.Module):
         # an operand cast before this forward (a weight FSDP2 all-gathered in FP8, an input sequence parallelism
         # all-gathered in FP8) stays FP8 only where this forward computes with that very cast
         fp8 = self._fp8_enabled and autocast_state.enabled and not autocast_state.calibrating
-        weight = resolve_precast(weight, recipe, self.training, fp8)
-        x = resolve_precast(x, recipe, self.training, fp8)
+        weight = resolve_gathered(weight, recipe, self.training, fp8)
+        x = resolve_gathered(x, recipe, self.training, fp8)
         if autocast_state.calibrating:
             self._record_calibration(x, weight)
             return self.high_precision_forward(x, weight, bias, *extra)
@@ -192,17 +209,17 @@ class FP8Layer(nn.Module):
         caster = caster_for(recipe)
         quantized_wgrad = torch.is_grad_enabled() and weight.requires_grad and not recipe.high_precision_wgrad
         pad_to = caster.token_padding(x2d, quantized_wgrad)
-        if isinstance(x2d, PrecastFP8Input):  # sequence parallelism gathered it in FP8
-            x_fp8, _, x_scale_inv = x2d.fp8_operands(meta.amax_history, ROLE_INDEX["input"], training)
+        if isinstance(x2d, GatheredFP8Input):  # sequence parallelism gathered it in FP8
+            x_fp8, _, x_scale_inv = x2d.fp8_operands(meta, training)
             x_t = FP8Matrix(x_fp8.t().contiguous(), x_scale_inv) if quantized_wgrad and kernels.materializes_transpose(
                 x2d) else None  # the layout the weight-gradient GEMM reads
             x_cast = FP8Operand(FP8Matrix(x_fp8, x_scale_inv), x_t)
             pad_to = 1
         else:
             x_cast = caster.cast(x2d, meta.amax_history, "input", training, layouts=(True, quantized_wgrad),
-                                 pad_to=pad_to, history_sized=meta.history_sized[ROLE_INDEX["input"]])
-        if isinstance(weight, PrecastFP8Weight):  # FSDP2 gathered it in FP8
-            w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta.amax_history, ROLE_INDEX["weight"], training)
+                                 pad_to=pad_to, history_sized=meta.input.history_sized)
+        if isinstance(weight, GatheredFP8Weight):  # FSDP2 gathered it in FP8
+            w_fp8, w_scale, w_scale_inv = weight.fp8_operands(meta, training)
             w_cast = FP8Operand(FP8Matrix(w_fp8, w_scale_inv), None, w_scale)
         else:
             # W^T for the input-gradient GEMM from the same pass, kept for backward, where the cast writes it in that
@@ -210,8 +227,8 @@ class FP8Layer(nn.Module):
             keep_w_t = (self.keep_weight_transpose and (recipe.microscaled or not recipe.fine_grained)
                         and x2d.requires_grad and torch.is_grad_enabled())
             w_cast = caster.cast(weight, meta.amax_history, "weight", training, layouts=(True, keep_w_t),
-                                 history_sized=meta.history_sized[ROLE_INDEX["weight"]])
-        cfg = GemmConfig(recipe, _output_dtype(x), training, pad_to, training and meta.history_sized[ROLE_INDEX["grad_output"]])
+                                 history_sized=meta.weight.history_sized)
+        cfg = GemmConfig(recipe, _output_dtype(x), training, pad_to, training and meta.grad_output.history_sized)
         out = linear_gemms(x2d, weight, bias, x_cast, w_cast, meta.amax_history, observer, cfg)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 

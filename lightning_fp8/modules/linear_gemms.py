@@ -27,7 +27,7 @@ import torch
 from lightning_fp8.modules.cast import caster_for
 from lightning_fp8.modules.gemm import fp8_gemm, high_precision_gemm
 from lightning_fp8.modules.operand import FP8Matrix, FP8Operand
-from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight
+from lightning_fp8.modules.gathered_fp8 import GatheredFP8Weight
 from lightning_fp8 import kernels
 from lightning_fp8.numerics.tiles import operand_tiles
 from lightning_fp8.recipe import FP8Recipe
@@ -40,13 +40,13 @@ class GemmConfig(NamedTuple):
 
     recipe: how every operand is cast and which GEMM backend runs.
     out_dtype: the compute dtype every GEMM produces.
-    record: a training call (backward records dY's amax and uses the recipe's scaling).
+    training: a training call (backward records dY's amax and uses the recipe's scaling).
     pad_to: the multiple dY^T's token columns are padded to, as the forward padded x^T's (`Caster.token_padding`).
     grad_history_sized: the engine knows dY's history sizes a delayed scale (its cast skips the amax pre-pass)."""
 
     recipe: FP8Recipe
     out_dtype: torch.dtype
-    record: bool
+    training: bool
     pad_to: int = 1
     grad_history_sized: bool = False
 
@@ -60,7 +60,7 @@ def linear_gemms(x2d: Tensor, weight: Tensor, bias: Optional[Tensor], x: FP8Oper
     history; observer (or None) is called with ("grad_output", dY) in backward.
 
     offsets: an experts layer's groups (x's rows sorted by expert, int32 end offsets): weight is then (E, out, in),
-    every GEMM is grouped (GemmOperands.offsets) and the casts are the grouped caster's; None for one linear layer."""
+    every GEMM is grouped (GemmRequest.offsets) and the casts are the grouped caster's; None for one linear layer."""
     return FP8LinearGemms.apply(x2d, weight, bias, history, observer, cfg, offsets, *_flat(x), *_flat(w))
 
 
@@ -127,13 +127,13 @@ class FP8LinearGemms(torch.autograd.Function):
         offsets = ctx.offsets
         caster = caster_for(recipe, offsets)
         quantized_wgrad = needs_wgrad and not recipe.high_precision_wgrad
-        dy = caster.cast(g, ctx.history, "grad_output", cfg.record, layouts=(needs_dgrad, quantized_wgrad),
+        dy = caster.cast(g, ctx.history, "grad_output", cfg.training, layouts=(needs_dgrad, quantized_wgrad),
                          pad_to=cfg.pad_to, history_sized=cfg.grad_history_sized)
         grad_x = grad_w = grad_b = None
         if needs_dgrad:
             if w_t is not None:
                 w_b = w_t.t()
-            elif isinstance(weight, PrecastFP8Weight):  # gathered in FP8 (FSDP2): the data of this pass
+            elif isinstance(weight, GatheredFP8Weight):  # gathered in FP8 (FSDP2): the data of this pass
                 data, scale_inv = weight.dgrad_operand(kernels.materializes_transpose(weight))
                 w_b = FP8Matrix(data, scale_inv)
             else:

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lightning_fp8.modules.gathered_fp8 import PrecastFP8Input
+from lightning_fp8.modules.gathered_fp8 import GatheredFP8Input
 
 try:  # DTensor (torch.distributed); absent from builds without distributed support
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -100,13 +100,13 @@ def layout_of(layer: nn.Module) -> Optional[TensorParallelLayout]:
 def localize_fp8_state(model: nn.Module) -> int:
     """Turn FP8 metadata buffers that a tensor-parallel style made replicated DTensors back into local tensors (the
     values they hold, every rank the same); returns how many buffers changed. Idempotent, no communication."""
-    from lightning_fp8.modules.layer_state import FP8LinearMeta
+    from lightning_fp8.modules.layer_state import FP8LayerState
 
     changed = 0
     if DTensor is None:
         return changed
     for module in model.modules():
-        if isinstance(module, FP8LinearMeta):
+        if isinstance(module, FP8LayerState):
             for name, buffer in list(module._buffers.items()):
                 if isinstance(buffer, DTensor):
                     module._buffers[name] = buffer.to_local()
@@ -139,7 +139,7 @@ def refuse_gathered_input(x: Tensor, layer: nn.Module, why: str) -> None:
     """An input sequence parallelism all-gathered in FP8 may only be read by column-wise FP8 layers (their input
     gradients are partial sums, which the gather's backward reduce-scatters): raise anywhere else."""
     local = x._local_tensor if is_dtensor(x) else x
-    if isinstance(local, PrecastFP8Input):
+    if isinstance(local, GatheredFP8Input):
         raise RuntimeError(
             f"lightning_fp8: an input all-gathered in FP8 by FP8ColwiseParallel / PrepareFP8ModuleInput reached "
             f"{type(layer).__name__}, which {why}. Only FP8 layers parallelized with FP8ColwiseParallel may read it (the "
@@ -201,9 +201,9 @@ def _skip_fp8_metadata() -> None:
         return
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        from lightning_fp8.modules.layer_state import FP8LinearMeta
+        from lightning_fp8.modules.layer_state import FP8LayerState
 
-        if isinstance(module, FP8LinearMeta):
+        if isinstance(module, FP8LayerState):
             return None  # the FP8 layer's scaling state: nothing to shard (the engine keeps it equal on every rank)
         return original(self, name, module, device_mesh)
 

@@ -1,12 +1,12 @@
 """The records an FP8 GEMM is made of: one scaled matrix (`FP8Matrix`), one cast tensor role (`FP8Operand`), one GEMM
-request (`GemmOperands`). Every scaling (per-tensor, rowwise, blockwise, MXFP8, NVFP4) fills the same records; what
+request (`GemmRequest`). Every scaling (per-tensor, rowwise, blockwise, MXFP8, NVFP4) fills the same records; what
 differs is only which fields are set, so the autograd function, the GEMM op, its planner and its emulation each exist
 once.
 
 Orientation: a GEMM computes out (M, N) = A (M, K) @ B (K, N). A matrix's `tile` is (rows, cols) of the block one
 scale covers, 0 meaning the whole dimension; None for one scale per tensor.
 
-A grouped GEMM (a mixture-of-experts layer: `GemmOperands.offsets`, numerics/groups.py) is the same request over
+A grouped GEMM (a mixture-of-experts layer: `GemmRequest.offsets`, numerics/groups.py) is the same request over
 groups of rows: either A's rows are grouped and B is 3-D, one (K, N) matrix per group, or the contraction is grouped
 (A's columns and B's rows) and the output is 3-D, one (M, N) matrix per group. A 3-D matrix's scales have a leading
 group dimension, and a grouped contraction's tiles cover one group's extent of it (a `0` there is "the group's").
@@ -67,7 +67,7 @@ class FP8Operand(NamedTuple):
         return self.matrix.t()
 
 
-class GemmOperands(NamedTuple):
+class GemmRequest(NamedTuple):
     """One FP8 GEMM request: out = A @ B + bias, products accumulated in float32, rounded once to out_dtype.
 
     a: A (M, K) and b: B (K, N), any layout, with their scales (see FP8Matrix).
@@ -97,4 +97,4 @@ class GemmOperands(NamedTuple):
         return self.a.data.shape[0], self.a.data.shape[1] * packing, self.b.data.shape[-1]
 
 
-__all__ = ["FP8Matrix", "FP8Operand", "GemmOperands", "Tile", "FP4"]
+__all__ = ["FP8Matrix", "FP8Operand", "GemmRequest", "Tile", "FP4"]

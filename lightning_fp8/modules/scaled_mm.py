@@ -1,6 +1,6 @@
 """How an FP8 GEMM is handed to torch's scaled GEMM on a CUDA GPU: the plan of one call, per architecture.
 
-`plan_scaled_mm(operands, target)` turns a GEMM request (`GemmOperands`: FP8 operands in any layout, dequant scales
+`plan_scaled_mm(operands, target)` turns a GEMM request (`GemmRequest`: FP8 operands in any layout, dequant scales
 per tensor, per row / column or per 128-block, output dtype, bias) into either a `ScaledMMCall`, every argument in the
 shape, layout and dtype that the target's torch and GPU libraries accept, or a `Refusal` that says why the target
 cannot take it (the caller then emulates, and says so once). The plan is plain torch code (pads, copies, views), so
@@ -53,7 +53,7 @@ torch and the contract suite replays the rules of the torch that runs it:
                handed over as the 1 x 16 scales of their rows (the same scale repeated). K is zero-padded to 32
                elements, N to 16.
   A bias of an mxfp8 / nvfp4 GEMM is added after it in float32, before the one rounding (as for blockwise).
-  grouped      a mixture-of-experts layer's GEMMs (`GemmOperands.offsets`, numerics/groups.py), rowwise:
+  grouped      a mixture-of-experts layer's GEMMs (`GemmRequest.offsets`, numerics/groups.py), rowwise:
                `torch._scaled_grouped_mm` (torch's CUTLASS grouped kernel, built for sm90; sm100 from the release
                that carries pytorch#188063, taken here as torch 2.14; sm89 and sm120 have none: `TorchRules.grouped`),
                both operands e4m3, bf16 output only, no bias (experts add theirs after), offsets int32 end rows.
@@ -77,7 +77,7 @@ import torch.nn.functional as F
 
 from lightning_fp8.kernels.device import DeviceProfile
 from lightning_fp8.kernels.microscaled_ops import gemm_operand_storage, swizzled_block_scales
-from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 from lightning_fp8.numerics.groups import group_counts, group_of_rows
 from lightning_fp8.numerics.tiles import tile_extent
 
@@ -304,7 +304,7 @@ def _target_of(profile: DeviceProfile) -> ScaledMMTarget:
 
 
 # -- the request --------------------------------------------------------------------------------------------------
-def scaling_kind(operands: GemmOperands) -> Optional[str]:
+def scaling_kind(operands: GemmRequest) -> Optional[str]:
     """The scaling kind of a GEMM request: tensorwise, rowwise, one of the blockwise kinds, mxfp8, nvfp4, or None (a
     tiling no scaled GEMM takes). The microscaled kinds are told by their dtypes (E8M0 scales, FP4 data)."""
     a, b = operands.a, operands.b
@@ -481,7 +481,7 @@ _V2_RECIPES = {
 
 
 # -- planning -----------------------------------------------------------------------------------------------------
-def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+def plan_scaled_mm(operands: GemmRequest, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     """The call that computes `operands` on `target`, or why there is none (module docstring)."""
     a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
@@ -507,7 +507,7 @@ def plan_scaled_mm(operands: GemmOperands, target: ScaledMMTarget) -> Union[Scal
     return _plan_tensorwise_or_rowwise(operands, kind, target)
 
 
-def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+def _plan_tensorwise_or_rowwise(operands: GemmRequest, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     a, b, out_dtype, bias = operands.a.data, operands.b.data, operands.out_dtype, operands.bias
     m, k, n = operands.shape
     cutlass = kind == ROWWISE and target.rowwise_backend == "cutlass"
@@ -548,7 +548,7 @@ def _plan_tensorwise_or_rowwise(operands: GemmOperands, kind: str, target: Scale
                         _Finish(n, bias_after, out_dtype), target)
 
 
-def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+def _plan_blockwise(operands: GemmRequest, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
     if not target.has_v2:
@@ -585,7 +585,7 @@ def _plan_blockwise(operands: GemmOperands, kind: str, target: ScaledMMTarget) -
                         _Finish(n, bias, operands.out_dtype), target)
 
 
-def _plan_microscaled(operands: GemmOperands, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+def _plan_microscaled(operands: GemmRequest, kind: str, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     a, b = operands.a.data, operands.b.data
     m, k, n = operands.shape
     if not target.has_v2:
@@ -654,7 +654,7 @@ class ScaledGroupedMMCall(ScaledMMCall):
         return False
 
 
-def _plan_grouped(operands: GemmOperands, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
+def _plan_grouped(operands: GemmRequest, target: ScaledMMTarget) -> Union[ScaledMMCall, Refusal]:
     """The grouped call (module docstring, "grouped"), or why the target has none."""
     a, b = operands.a, operands.b
     m, k, n = operands.shape
@@ -955,7 +955,7 @@ def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int
 
 
 __all__ = [
-    "ARCH_RULES", "ArchRules", "TORCH_RULES", "TorchRules", "rules_for_torch", "GemmOperands", "scaling_kind", "Refusal",
+    "ARCH_RULES", "ArchRules", "TORCH_RULES", "TorchRules", "rules_for_torch", "GemmRequest", "scaling_kind", "Refusal",
     "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
     "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
     "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4", "ScaledGroupedMMCall", "GROUPED_V1", "GROUPED_ROWS",

@@ -29,7 +29,7 @@ scales in-kernel (kernels/triton_cast.py) and are tested bit-exactly against the
 """
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import NamedTuple, Tuple, Union
 
 import torch
 
@@ -109,18 +109,29 @@ def cast_scale(
     return delayed
 
 
-def step_flags(
-    history: torch.Tensor,
-    fp8_max: torch.Tensor,
-    scaled: torch.Tensor,
-    delayed: torch.Tensor,
-    algo_max: torch.Tensor,
-    margin: torch.Tensor,
-    power_of_2: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class StepConstants(NamedTuple):
+    """The recipe constants that closing a scaling step reads, one value per row of the history it closes: per role
+    for one layer ([3]), per (layer, role) for the engine's stacked close ([layers, 3]). The one record of them: the
+    layer state builds it (modules/layer_state.py), the engine stacks it (engine/step_closer.py), the close op takes
+    it flat (kernels/ops.py: a torch.library schema takes tensors, not records).
+
+    fp8_max: float32, the format's largest value; scaled: the role is cast with a scale; delayed: delayed scaling;
+    algo_max: the reference amax is the history's max (else its newest slot); margin: float32, the scale's margin in
+    powers of two; power_of_2: scales are rounded down to a power of two."""
+
+    fp8_max: torch.Tensor
+    scaled: torch.Tensor
+    delayed: torch.Tensor
+    algo_max: torch.Tensor
+    margin: torch.Tensor
+    power_of_2: torch.Tensor
+
+
+def step_flags(history: torch.Tensor, constants: StepConstants) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(step amax with non-finite values cleared, overflow, clip) of the step in progress, per row.
 
-    history: [..., L+1]; the other arguments are per-row recipe constants broadcastable to history[..., 0]."""
+    history: [..., L+1]; constants: per-row recipe constants broadcastable to history[..., 0]."""
+    fp8_max, scaled, delayed, algo_max, margin, power_of_2 = constants
     amax = history[..., 0]
     finite = torch.isfinite(amax)
     overflow = ~finite | (~scaled & (amax > fp8_max))
@@ -145,18 +156,11 @@ def advance_history(history: torch.Tensor, step_amax: torch.Tensor, taken: Union
 
 
 def close_step(
-    history: torch.Tensor,
-    fp8_max: torch.Tensor,
-    scaled: torch.Tensor,
-    delayed: torch.Tensor,
-    algo_max: torch.Tensor,
-    margin: torch.Tensor,
-    power_of_2: torch.Tensor,
-    taken: Union[bool, torch.Tensor] = True,
+    history: torch.Tensor, constants: StepConstants, taken: Union[bool, torch.Tensor] = True
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(new history, overflow, clip) after closing the step in progress (see the module docstring); a single
     process's version of what the engine does around a cross-rank MAX of the step amax."""
-    clean, overflow, clip = step_flags(history, fp8_max, scaled, delayed, algo_max, margin, power_of_2)
+    clean, overflow, clip = step_flags(history, constants)
     return advance_history(history, clean, taken), overflow, clip
 
 
@@ -165,6 +169,7 @@ __all__ = [
     "power_of_2_floor",
     "reference_amax",
     "cast_scale",
+    "StepConstants",
     "step_flags",
     "advance_history",
     "close_step",

@@ -130,8 +130,8 @@ class DispatchCount:
 
 def gemm_request(a, a_scale_inv, a_tile, b, b_scale_inv, b_tile, out_dtype, bias=None, use_fast_accum=False,
                  a_tensor_scale=None, b_tensor_scale=None):
-    """A GemmOperands from flat arguments: A (M, K) and B (K, N) with their scales and tiles (None: per tensor)."""
-    from lightning_fp8.modules.operand import FP8Matrix, GemmOperands
+    """A GemmRequest from flat arguments: A (M, K) and B (K, N) with their scales and tiles (None: per tensor)."""
+    from lightning_fp8.modules.operand import FP8Matrix, GemmRequest
 
-    return GemmOperands(FP8Matrix(a, a_scale_inv, a_tile, a_tensor_scale),
+    return GemmRequest(FP8Matrix(a, a_scale_inv, a_tile, a_tensor_scale),
                         FP8Matrix(b, b_scale_inv, b_tile, b_tensor_scale), out_dtype, bias, use_fast_accum)

@@ -42,7 +42,7 @@ from support.torchrun_launch import launch_forked  # noqa: E402
 
 from lightning_fp8 import FP8Precision, fp8_layers, fp8_state_dict, precision_map  # noqa: E402
 from lightning_fp8.distributed import fp8_all_gather_reason, uses_fp8_all_gather  # noqa: E402
-from lightning_fp8.modules.gathered_fp8 import PrecastFP8Weight  # noqa: E402
+from lightning_fp8.modules.gathered_fp8 import GatheredFP8Weight  # noqa: E402
 
 OUT = sys.argv[1]
 NPROC = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -257,7 +257,7 @@ def fabric_fsdp_example_layout() -> dict:
                 output = model(inputs)
                 if not unsharded_at_backward:  # what the first backward's check meets
                     unsharded_at_backward = [fqn for fqn, layer in fp8_layers(model).items()
-                                             if isinstance(layer.weight, PrecastFP8Weight)]
+                                             if isinstance(layer.weight, GatheredFP8Weight)]
                 with loss_parallel():
                     loss = F.cross_entropy(output.reshape(-1, output.size(-1)), labels.reshape(-1))
                     fabric.backward(loss)
