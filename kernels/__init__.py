@@ -117,24 +117,3 @@ from lightning_fp8.kernels.ops import fp8_amax, fp8_cast, materializes_transpose
 from lightning_fp8.kernels.tiled_ops import tiled_cast  # noqa: E402
 from lightning_fp8.kernels.microscaled_ops import microscaled_cast  # noqa: E402
 from lightning_fp8.kernels.grouped_ops import grouped_cast  # noqa: E402
-
-__all__ = [
-    "triton_available",
-    "triton_disabled",
-    "triton_enabled_for",
-    "fused_cast_enabled_for",
-    "cpu_twins_enabled_for",
-    "interpreter_enabled",
-    "use_soft_cast",
-    "hardware_cast_exact",
-    "triton_version",
-    "in_kernel_rand",
-    "fp8_cast",
-    "fp8_amax",
-    "scaled_cast",
-    "tiled_cast",
-    "microscaled_cast",
-    "grouped_cast",
-    "materializes_transpose",
-    "KERNEL_INPUT_DTYPES",
-]

@@ -304,6 +304,3 @@ def tiled_cast_cpu(
         slot = history[role, 0]
         slot.copy_(torch.maximum(slot, amax if amax is not None else fast_amax(x)))
     return q, s, q_t, s_t
-
-
-__all__ = ["scaled_cast_cpu", "cast_cpu", "tiled_cast_cpu", "host_scale", "host_cast_scale", "memory_bound_threads"]

@@ -123,7 +123,3 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
 def runs_cuda_paths(x: torch.Tensor) -> bool:
     """Whether `x` takes the CUDA code paths: a CUDA tensor, or a CPU / meta tensor under `simulate_cuda`."""
     return profile_of(x.device).is_cuda
-
-
-__all__ = ["DeviceProfile", "FP8_CAPABILITY", "profile_of", "simulate_cuda", "simulated_profile", "runs_cuda_paths",
-           "autocast_off"]

@@ -46,6 +46,3 @@ def announce(kernel: str, reads: Sequence[Optional[torch.Tensor]], writes: Seque
     for observer in _observers:
         observer(kernel, reads, writes, read_bytes)
     return not any(t.device.type == "meta" for t in (*reads, *writes))
-
-
-__all__ = ["device_guard", "announce"]

@@ -64,6 +64,3 @@ def grouped_cast(x: Tensor, history: Tensor, role: int, fmt, offsets: Tensor, ma
     name = fmt if isinstance(fmt, str) else fmt.name
     return torch.ops.lightning_fp8.grouped_cast(x.detach(), history, role, name, offsets, margin, power_of_2, noise,
                                                 record)
-
-
-__all__ = ["grouped_cast", "grouped_cast_op"]

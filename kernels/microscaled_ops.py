@@ -329,8 +329,3 @@ def stochastic_rounding_offsets(layouts: Sequence[Optional[Layout]]) -> List[int
         if layout is not None:
             total += layout.rows * layout.cols
     return starts + [total]
-
-
-__all__ = ["microscaled_cast", "microscaled_cast_op", "Cast", "SCALINGS", "Layout", "layouts_of",
-           "swizzle_block_scales", "swizzled_offset", "gemm_operand_storage", "swizzled_block_scales", "kernel_takes",
-           "stochastic_rounding_offsets"]

@@ -318,15 +318,3 @@ def close_scaling_step_op(
 def _close_scaling_step_fake(history, overflow_count, clip_count, fp8_max, scaled, delayed, algo_max, margin,
                              power_of_2, taken):
     return None
-
-
-__all__ = [
-    "fp8_cast",
-    "fp8_amax",
-    "fp8_cast_op",
-    "scaled_cast",
-    "scaled_cast_op",
-    "close_scaling_step_op",
-    "materializes_transpose",
-    "triton_available",
-]

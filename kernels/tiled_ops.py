@@ -191,7 +191,3 @@ def tiled_cast(
     first = (q, grid_of_storage(s, tile, (x.shape[0], n))) if len(tile) else (None, None)
     second = (q_t, grid_of_storage(s_t, tile_t, (n, m_out))) if len(tile_t) else (None, None)
     return first, second
-
-
-__all__ = ["tiled_cast", "tiled_cast_op", "scale_layout", "scale_storage_shape", "grid_of_storage",
-           "storage_of_grid"]

@@ -218,6 +218,3 @@ def _leave_out_host_ops(launches: Launches, devices: List[Set[str]]) -> None:
     on_host = [launch.source == "aten" and not d - {"cpu"} for launch, d in zip(launches, devices)]
     launches.host_ops.extend(launch for launch, host in zip(launches, on_host) if host)
     launches[:] = [launch for launch, host in zip(launches, on_host) if not host]
-
-
-__all__ = ["Launch", "Launches", "record_launches"]

@@ -88,6 +88,3 @@ def launch_grouped_cast(x: torch.Tensor, hist_slot: Optional[torch.Tensor], fmt:
                 RECORD=hist_slot is not None, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
             )
     return qt, st
-
-
-__all__ = ["launch_grouped_cast"]

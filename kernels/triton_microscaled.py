@@ -491,6 +491,3 @@ def launch_nvfp4_cast(x: torch.Tensor, hist_slot: Optional[torch.Tensor], rng_st
                 PARTIALS_BLOCK=_next_pow2(max(programs, 2)), BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=8,
             )
     return (q, s, g), (qt, st, g_t)
-
-
-__all__ = ["launch_mx_cast", "launch_nvfp4_cast", "BLOCK", "PARTIALS"]

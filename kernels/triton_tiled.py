@@ -294,6 +294,3 @@ def launch_tiled_cast(
                 RECORD=record, B=b, num_warps=8 if b >= 128 else 4, **common,
             )
     return q, s, qt, st
-
-
-__all__ = ["kernel_kind", "launch_tiled_cast", "MAX_BLOCK"]

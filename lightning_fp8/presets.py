@@ -205,7 +205,3 @@ def _modelled(capability: Tuple[int, int], triton: bool, gpu_name: Optional[str]
         launches = roofline.fp8_launches(shape, recipe, capability, triton)
         figures.append((name, roofline.predict(shape, recipe, spec, launches=launches).speedup))
     return figures, f"{'x'.join(map(str, REFERENCE_SHAPE))} on {spec.name}"
-
-
-__all__ = ["PRESETS", "ATTENTION_PATTERNS", "AUTO", "RecipeChoice", "auto_recipe", "get_preset", "REFERENCE_SHAPE",
-           "CANDIDATES", "candidates"]

@@ -26,6 +26,3 @@ def format_version(state: Dict[str, Any], what: str, newest: int) -> int:
         raise ValueError(f"lightning_fp8: this {what} was saved in format version {version} by a newer lightning_fp8; "
                          f"this one reads versions up to {newest}. Upgrade lightning_fp8 to load it.")
     return version
-
-
-__all__ = ["FORMAT_VERSION_KEY", "stamped", "format_version"]

@@ -160,3 +160,48 @@ def test_renamed_public_names_still_work_for_one_release():
     with pytest.warns(FutureWarning, match="close_scaling_step"):
         engine.update_scales()
     assert layer.fp8_meta.input.amax_history[1].item() == 5.0
+
+
+#: the public surface (docs/api.md): the names a user imports, per public module; every other module is internal and
+#: declares no __all__. A change here is an API change: update docs/api.md with it.
+PUBLIC_API = {
+    "lightning_fp8": ["FP8Recipe", "FP8Precision", "FP8Linear", "FP8Conv1d", "FP8Conv2d", "FP8Layer", "convert_to_fp8",
+                      "revert_fp8", "precision_map", "fp8_layers", "fp8_state_dict", "load_fp8_state_dict",
+                      "fp8_autocast", "FP8ScaleMonitor", "FP8LayerFallback", "FP8Calibration", "FP8EmulationWarning",
+                      "FP8DivergenceError"],
+    "lightning_fp8.fabric": ["FP8Precision", "load_checkpoint"],
+    "lightning_fp8.accelerate": ["FP8Accelerator", "FP8AcceleratorMixin", "FP8Kwargs", "FP8AcceleratedOptimizer",
+                                 "enable_fp8", "main"],
+    "lightning_fp8.litgpt": ["main", "fp8_fabrics"],
+    "lightning_fp8.callbacks": ["FP8ScaleMonitor", "FP8LayerFallback", "FP8Calibration", "is_calibrating"],
+    "lightning_fp8.optim": ["FP8AdamW", "state_bytes_per_param"],
+    "lightning_fp8.distributed": ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput",
+                                  "enable_fp8_all_gather", "precompute_fp8_weight_amaxes", "uses_fp8_all_gather",
+                                  "fp8_all_gather_reason", "enable_fp8_reduce_scatter", "fp8_comm_hook",
+                                  "bf16_comm_hook", "FP8CommState", "CommBytes"],
+    "lightning_fp8.report": ["write_report", "main"],
+    "lightning_fp8.conversion": ["register_linear_kind", "LinearKind", "ModuleFilter", "auto_filter", "AutoShapeFilter",
+                                 "LayerPrecision", "conversion_summary"],
+    "lightning_fp8.engine": ["FP8TrainingEngine", "StabilityConfig", "FP8DivergenceError"],
+}
+
+
+def test_the_public_surface_is_pinned_and_internals_declare_none():
+    """One __all__ per public module, listing what a user calls (all of it importable), and none anywhere else: an
+    internal module's names are not API."""
+    import ast
+    import importlib
+
+    for module, names in PUBLIC_API.items():
+        loaded = importlib.import_module(module)
+        assert list(loaded.__all__) == names, module
+        assert all(hasattr(loaded, name) for name in names), module
+    public_files = {module.replace(".", "/") for module in PUBLIC_API}
+    declaring = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "kernels").rglob("*.py")]):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().removesuffix("/__init__")
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+               for node in tree.body) and rel not in public_files:
+            declaring.append(rel)
+    assert declaring == []

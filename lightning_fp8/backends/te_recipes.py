@@ -246,7 +246,3 @@ def te_recipe_from(recipe: FP8Recipe, te: ModuleType) -> Any:
     for name, value in attributes.items():
         setattr(te_recipe, name, value)
     return te_recipe
-
-
-__all__ = ["TESTED_TE_VERSION", "TE_RECIPE_CLASSES", "TE_GEMM_BACKENDS", "FIELD_MAPPING", "Refusal", "te_refusals",
-           "te_recipe_from", "power_of_2_delayed_scale"]

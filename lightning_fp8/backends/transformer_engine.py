@@ -155,6 +155,3 @@ def convert_for_plugin(model: nn.Module, recipe: FP8Recipe,
         module.__dict__[SKIP_REASON_ATTR] = reason if reason is not None else TE_LINEAR_ONLY
     model.__dict__[CONVERTED_ATTR] = True
     return model
-
-
-__all__ = ["te_available", "te_recipe", "te_autocast", "convert_to_te", "convert_for_plugin", "TE_LINEAR_ONLY"]

@@ -7,6 +7,4 @@ from lightning_fp8.callbacks.monitor import FP8ScaleMonitor
 from lightning_fp8.callbacks.history_file import HISTORY_FILENAME
 from lightning_fp8.callbacks.sampling import StatsRecord
 
-__all__ = [
-    "FP8ScaleMonitor", "FP8LayerFallback", "FP8Calibration", "is_calibrating", "StatsRecord", "HISTORY_FILENAME",
-]
+__all__ = ["FP8ScaleMonitor", "FP8LayerFallback", "FP8Calibration", "is_calibrating"]

@@ -247,6 +247,3 @@ def _numpy_state():
     except ImportError:  # numpy is optional
         return None
     return numpy.random.get_state()
-
-
-__all__ = ["FP8Calibration", "is_calibrating"]

@@ -480,6 +480,3 @@ class FP8LayerFallback(StatsConsumer, Callback):
         self.escalations = {fqn: dict(info) for fqn, info in state_dict.get("escalations", {}).items()}
         self._rules.load_state_dict(state_dict)
         self._manual_logged = {fqn for fqn, info in self.fallbacks.items() if info.get("manual")}
-
-
-__all__ = ["FP8LayerFallback", "reset_scaling_state"]

@@ -94,7 +94,3 @@ def escalated_recipe(recipe: FP8Recipe, scaling: str) -> FP8Recipe:
         return dataclasses.replace(recipe, scaling=scaling, format=None, rounding=None, random_hadamard=None,
                                    scale_gradients=scale_gradients)
     return dataclasses.replace(recipe, scaling=scaling, scale_gradients=scale_gradients)
-
-
-__all__ = ["ESCALATING_RULES", "ESCALATION_TARGETS", "check_escalate_to", "ladder_for", "describe_ladder",
-           "escalation_target", "escalated_recipe"]

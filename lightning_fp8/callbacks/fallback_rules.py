@@ -236,6 +236,3 @@ class NonFiniteOriginProbe:
             handle.remove()
         self._hooks = []
         self._flags = {}
-
-
-__all__ = ["FallbackRules", "AnomalyOrigins", "NonFiniteOriginProbe", "Key"]

@@ -44,6 +44,3 @@ class HistoryFile:
             self._opened = True
         with open(self.path, mode, encoding="utf-8") as f:
             f.write(json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False) + "\n")
-
-
-__all__ = ["HISTORY_FILENAME", "HISTORY_VERSION", "HistoryFile", "json_safe"]

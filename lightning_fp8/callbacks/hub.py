@@ -265,15 +265,3 @@ def publish_metrics(trainer, pl_module, metrics: Dict[str, float], step: int, ca
         )
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
-
-
-__all__ = [
-    "StatsHub",
-    "watched_metrics",
-    "publish_metrics",
-    "StatsConsumer",
-    "hub_for",
-    "fp8_engine",
-    "layer_counters",
-    "precision_rows",
-]

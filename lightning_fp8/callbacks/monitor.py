@@ -447,6 +447,3 @@ class FP8ScaleMonitor(StatsConsumer, Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         format_version(state_dict, "FP8ScaleMonitor state", 1)
         self._restored_events_seen = int(state_dict.get("events_seen", 0))
-
-
-__all__ = ["FP8ScaleMonitor"]

@@ -163,6 +163,3 @@ def host_rows(rows: List[torch.Tensor]) -> List[List[float]]:
         for i, row in zip(indices, torch.stack([rows[i] for i in indices]).cpu().tolist()):
             values[i] = row
     return values  # type: ignore[return-value]
-
-
-__all__ = ["STATS", "StatsRecord", "QuantStatsMetric", "LayerStatsSampler", "host_rows"]

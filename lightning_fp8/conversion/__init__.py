@@ -15,24 +15,5 @@ from lightning_fp8.conversion.shape_filter import AutoShapeFilter, auto_filter, 
 from lightning_fp8.conversion.fp8_state import fp8_state_dict, load_fp8_state_dict
 from lightning_fp8.conversion.summary import ConversionSummary, conversion_summary, log_conversion_summary
 
-__all__ = [
-    "convert_to_fp8",
-    "revert_fp8",
-    "precision_map",
-    "plan_conversion",
-    "is_converted",
-    "fp8_layers",
-    "LayerPrecision",
-    "ModuleFilter",
-    "default_skip_reason",
-    "LinearKind",
-    "register_linear_kind",
-    "auto_filter",
-    "AutoShapeFilter",
-    "fp8_wins",
-    "fp8_state_dict",
-    "load_fp8_state_dict",
-    "ConversionSummary",
-    "conversion_summary",
-    "log_conversion_summary",
-]
+__all__ = ["register_linear_kind", "LinearKind", "ModuleFilter", "auto_filter", "AutoShapeFilter", "LayerPrecision",
+           "conversion_summary"]

@@ -52,6 +52,3 @@ def give_back_plain_layers(model: nn.Module, pending: Dict[str, FP8Layer]) -> No
 def decided(layer: FP8Layer) -> None:
     """`layer` has its decision: it is no longer undecided."""
     layer.__dict__.pop(BUILT_UNDECIDED_ATTR, None)
-
-
-__all__ = ["undecided_layers", "plan_undecided", "give_back_plain_layers", "decided", "BUILT_UNDECIDED_ATTR"]

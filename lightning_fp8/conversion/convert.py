@@ -479,22 +479,3 @@ def _back_to_plain(model: nn.Module, reasons: Dict[str, str]) -> None:
         plain = transplant.to_unconverted(layer)
         plain.__dict__[SKIP_REASON_ATTR] = reason
         transplant.replace_everywhere(parents, layer, plain)
-
-
-__all__ = [
-    "LayerPrecision",
-    "WOULD_FP8",
-    "convert_to_fp8",
-    "revert_fp8",
-    "precision_map",
-    "plan_conversion",
-    "settle_first_last",
-    "keep_first_last_guess",
-    "settle_first_last_from_state",
-    "provisional_layers",
-    "ExampleCall",
-    "NoTrace",
-    "BUILT_UNDECIDED_ATTR",
-    "fp8_layers",
-    "is_converted",
-]

@@ -152,7 +152,3 @@ def unreadable_experts_reason(module: nn.Module) -> Optional[str]:
     return (f"an experts module lightning_fp8 cannot read (3-D parameters {three_d}, not transformers' experts layout: "
             "gate_up_proj / up_proj and down_proj with has_gate / has_bias / is_transposed): no FP8 path, its GEMMs "
             "run in BF16")
-
-
-__all__ = ["experts_modules", "plan_experts", "apply_experts_plan", "router_names", "experts_rows",
-           "unreadable_experts_reason", "ROUTER_REASON", "EXPERTS_FAMILY", "ROUTER_FAMILY"]

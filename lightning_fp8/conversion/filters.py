@@ -142,16 +142,3 @@ def filter_reason(module_filter: ModuleFilter, module: nn.Module, fqn: str) -> s
     explain = getattr(module_filter, "skip_reason", None)
     reason = explain(module, fqn) if callable(explain) else None
     return reason or "excluded by module_filter"
-
-
-__all__ = [
-    "ModuleFilter",
-    "SKIP_REASON_ATTR",
-    "structural_skip_reason",
-    "convolution_skip_reason",
-    "scaling_skip_reason",
-    "rule_skip_reason",
-    "default_skip_reason",
-    "filter_reason",
-    "is_lora_adapter",
-]

@@ -409,6 +409,3 @@ def _run_for_real(root: nn.Module, inputs: Any) -> None:
 
 def _under(fqn: str, prefix: str) -> bool:
     return not prefix or fqn == prefix or fqn.startswith(prefix + ".")
-
-
-__all__ = ["ExampleCall", "NoTrace", "LayerOrder", "layer_order", "module_order", "output_heads", "sibling_groups", "ROLE_FAMILIES", "AUTO"]

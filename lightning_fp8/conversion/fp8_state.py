@@ -78,6 +78,3 @@ def _split(key: str):
         return "", True, key[len("fp8_meta."):]
     fqn, marker, rest = key.partition(FP8_META_MARKER)
     return fqn, bool(marker), rest
-
-
-__all__ = ["fp8_state_dict", "load_fp8_state_dict", "split_fp8_meta", "FP8_META_MARKER"]

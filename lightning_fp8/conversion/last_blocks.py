@@ -53,6 +53,3 @@ def last_block_reasons(model: nn.Module, candidates: Sequence[str], recipe: FP8R
     why = (f"in the last {count} of {len(blocks)} blocks of {container or 'the model'} ({SWITCH}={fraction:g}"
            f"{', the scope of ' + recipe.scaling if recipe.scaling == 'nvfp4' else ''})")
     return {c: f"{why}: kept in BF16" for c in candidates if any(c == b or c.startswith(b + ".") for b in kept)}
-
-
-__all__ = ["repeated_blocks", "last_block_reasons", "SWITCH"]

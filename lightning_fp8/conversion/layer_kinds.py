@@ -378,21 +378,3 @@ def _conv1d_reason(cls: type) -> str:
         except ImportError as error:
             return f"{cls.__module__}.Conv1D: FP8Conv1D needs transformers, which cannot be imported here ({error})"
     return f"{cls.__module__}.Conv1D is not {HF_CONV1D.source} (the Conv1D FP8 supports): {NO_FP8_PATH}"
-
-
-__all__ = [
-    "LinearKind",
-    "LINEAR",
-    "HF_CONV1D",
-    "CONV1D",
-    "CONV2D",
-    "family",
-    "MHA_PROJECTION",
-    "register_linear_kind",
-    "linear_kind",
-    "features",
-    "label",
-    "base_class",
-    "other_module",
-    "OtherModule",
-]

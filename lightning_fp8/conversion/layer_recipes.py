@@ -55,6 +55,3 @@ def warn_unmatched(layer_recipes: Tuple[Tuple[str, FP8Recipe], ...], converted: 
         if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in names):
             warnings.warn(f"lightning_fp8: layer_recipes pattern {pattern!r} matches no converted layer "
                           f"(converted: {names[:5]}{' ...' if len(names) > 5 else ''})", UserWarning, stacklevel=3)
-
-
-__all__ = ["LayerRecipes", "normalize_layer_recipes", "recipe_for", "warn_unmatched"]

@@ -206,7 +206,3 @@ def predict(shape: LayerShape, recipe: FP8Recipe, spec, launches: Optional[Seque
     fp8_s = max(sum(t for _, t in kernels), len(kernels) * spec.launch_s)
     bf16_s = max(step_seconds(bf16, spec), len(bf16) * spec.launch_s)
     return Prediction(fp8_s, bf16_s, kernels)
-
-
-__all__ = ["LayerShape", "Prediction", "MIN_KERNEL_S", "kernel_seconds", "step_seconds", "fp8_launches",
-           "bf16_launches", "te_launches", "predict", "capability_of", "default_triton"]

@@ -232,17 +232,3 @@ def shape_skip_reason(
 def _device(module: nn.Module) -> torch.device:
     tensor = next(iter(module.parameters()), None)
     return tensor.device if tensor is not None else torch.device("cpu")
-
-
-__all__ = [
-    "GPUSpec",
-    "GPU_SPECS",
-    "EMULATED_REASON",
-    "fp8_wins",
-    "auto_filter",
-    "AutoShapeFilter",
-    "shape_skip_reason",
-    "resolve_spec",
-    "spec_for_capability",
-    "FAMILY_SPECS",
-]

@@ -246,6 +246,3 @@ def log_conversion_summary(
 def _names(names: List[str]) -> str:
     shown = ", ".join(names[:NAMES_PER_REASON])
     return shown + (f" (+{len(names) - NAMES_PER_REASON} more)" if len(names) > NAMES_PER_REASON else "")
-
-
-__all__ = ["ConversionSummary", "conversion_summary", "log_conversion_summary", "LITTLE_FP8_SHARE"]

@@ -149,8 +149,3 @@ def restore(model: nn.Module) -> None:
     for module in list(model.modules()):
         if isinstance(module, ProjectedMultiheadAttention) and ORIGINAL_CLASS_ATTR in module.__dict__:
             hide_projections(module)
-
-
-__all__ = ["expose_projections", "hide_projections", "keep_converting_attentions", "shared_input_projections",
-           "guard_fast_paths", "restore",
-           "ORIGINAL_CLASS_ATTR", "CALLED_AS_MODULE_ATTR", "ATTENTION_REASON_ATTR"]

@@ -216,7 +216,3 @@ def replace_everywhere(parents: Dict[int, list], old: nn.Module, new: nn.Module)
     for parent, name in entries:
         setattr(parent, name, new)
     parents[id(new)] = entries
-
-
-__all__ = ["replace_with", "to_fp8", "to_unconverted", "parametrization_mismatch", "HOOK_DICTS", "parent_index",
-           "replace_everywhere"]

@@ -113,6 +113,3 @@ def parallelize_gpt(model: ParallelGPT, tp_mesh, *, fp8_styles: bool = True, seq
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, fp8_styles=fp8_styles,
                                                             sequence_parallel=sequence_parallel))
     return model
-
-
-__all__ = ["ParallelGPT", "tensor_parallel_plan", "parallelize_gpt"]

@@ -79,6 +79,3 @@ def fit_planted(seed: int, steps: int = STEPS, **trainer_kwargs) -> Tuple[Plante
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
     trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
     return module, module.val_losses[-1]
-
-
-__all__ = ["plant_outlier", "PlantedGPT", "walk_data", "fit_planted", "PLANTED_LAYER", "OUTLIER_CHANNEL"]

@@ -14,20 +14,6 @@ from lightning_fp8.distributed.reduce_scatter import FP8ReduceScatter, enable_fp
 from lightning_fp8.distributed.sharding import is_fsdp_sharded
 from lightning_fp8.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 
-__all__ = [
-    "FP8AllGatherWeight",
-    "enable_fp8_all_gather",
-    "fp8_all_gather_reason",
-    "precompute_fp8_weight_amaxes",
-    "uses_fp8_all_gather",
-    "FP8CommState",
-    "fp8_comm_hook",
-    "bf16_comm_hook",
-    "FP8ReduceScatter",
-    "enable_fp8_reduce_scatter",
-    "CommBytes",
-    "is_fsdp_sharded",
-    "FP8ColwiseParallel",
-    "FP8RowwiseParallel",
-    "PrepareFP8ModuleInput",
-]
+__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput", "enable_fp8_all_gather",
+           "precompute_fp8_weight_amaxes", "uses_fp8_all_gather", "fp8_all_gather_reason", "enable_fp8_reduce_scatter",
+           "fp8_comm_hook", "bf16_comm_hook", "FP8CommState", "CommBytes"]

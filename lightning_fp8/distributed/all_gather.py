@@ -614,8 +614,3 @@ def uses_fp8_all_gather(layer: nn.Module) -> bool:
         return True
     # unsharded by FSDP2: the FP8 gather's output, on a layer enabled for it
     return isinstance(local, GatheredFP8Weight) and _BATCH_ATTR in layer.__dict__
-
-
-__all__ = ["FP8AllGatherWeight", "enable_fp8_all_gather", "enable_fp8_all_gather_layer", "disable_fp8_all_gather",
-           "gather_in_high_precision", "fp8_all_gather_reason", "precompute_fp8_weight_amaxes", "uses_fp8_all_gather",
-           "explain_high_precision_gather"]

@@ -160,6 +160,3 @@ def peak_allocated_bytes(fn: Callable[[], Any]) -> Tuple[int, Any]:
         current += event.extra_fields.alloc_size
         peak = max(peak, current)
     return peak, result
-
-
-__all__ = ["CommBytes", "peak_allocated_bytes"]

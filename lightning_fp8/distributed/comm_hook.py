@@ -163,6 +163,3 @@ def bf16_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Futu
         return buffer
 
     return work.get_future().then(back)
-
-
-__all__ = ["FP8CommState", "fp8_comm_hook", "bf16_comm_hook", "COMM_FORMATS", "COMM_SCALINGS", "COMM_ALGORITHMS"]

@@ -194,7 +194,3 @@ def decoded_blocks(received: Tensor, ranks: int, scale, fmt: FP8Format, m: int, 
 def poison_if(x: Tensor, nonfinite: Tensor) -> Tensor:
     """`x`, or NaN everywhere when `nonfinite` (a 0-d bool tensor): the reduced gradient carries the event."""
     return x + torch.where(nonfinite, math.nan, 0.0).to(x.dtype)
-
-
-__all__ = ["CHUNK", "MIN_COLUMNS", "SegmentScales", "local_amaxes", "shared_scales", "encode", "encode_into", "cast_into",
-           "decode_sum", "decode_sum_into", "decoded_blocks", "poison_if"]

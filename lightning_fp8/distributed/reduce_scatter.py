@@ -77,6 +77,3 @@ def enable_fp8_reduce_scatter(model: nn.Module, state: Optional[FP8CommState] = 
                 "gradient_communication='bf16' for this model."
             ) from error
     return len(units)
-
-
-__all__ = ["FP8ReduceScatter", "enable_fp8_reduce_scatter"]

@@ -186,7 +186,3 @@ class _OutputReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return all_gather_sequence(grad, ctx.comm), None
-
-
-__all__ = ["SequenceComm", "InputCast", "gather_in_fp8", "all_gather_sequence", "reduce_scatter_sequence",
-           "reduce_scatter_output", "REDUCE_PRECISIONS"]

@@ -47,6 +47,3 @@ def check_convertible(model: nn.Module, would_convert: Iterable[str]) -> None:
             f"layers are not converted to FP8 yet ({', '.join(pending[:3])}{' ...' if len(pending) > 3 else ''}). "
             "Layers cannot be replaced after sharding; " + _HOW_TO
         )
-
-
-__all__ = ["is_fsdp_sharded", "fsdp_modules", "check_convertible"]

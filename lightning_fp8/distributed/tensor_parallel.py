@@ -307,7 +307,3 @@ def follow_plugin_communication(model: nn.Module, gradient_communication: str) -
             style.follow_plugin(gradient_communication)
             count += 1
     return count
-
-
-__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput", "follow_plugin_communication",
-           "fp8_input_cast"]

@@ -3,4 +3,4 @@ from lightning_fp8.engine.config import StabilityConfig
 from lightning_fp8.engine.engine import FP8DivergenceError, FP8TrainingEngine, StepResult
 from lightning_fp8.engine.loss_scaler import LossScaler, resolve_loss_scaling
 
-__all__ = ["FP8TrainingEngine", "StabilityConfig", "StepResult", "FP8DivergenceError", "LossScaler", "resolve_loss_scaling"]
+__all__ = ["FP8TrainingEngine", "StabilityConfig", "FP8DivergenceError"]

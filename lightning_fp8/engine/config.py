@@ -65,6 +65,3 @@ class StabilityConfig:
     def from_options(cls, options: Any) -> "StabilityConfig":
         """The config of an adapter's options (any record with one attribute per field, e.g. `FP8Options`)."""
         return cls(**{field.name: getattr(options, field.name) for field in dataclasses.fields(cls)})
-
-
-__all__ = ["StabilityConfig"]

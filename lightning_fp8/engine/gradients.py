@@ -97,6 +97,3 @@ def iteration_params(model: Optional[nn.Module], optimizers: Sequence[torch.opti
             seen.add(id(p))
             params.append(p)
     return params
-
-
-__all__ = ["GradientUnscaler", "iteration_params"]

@@ -37,6 +37,3 @@ def count_host_reads() -> Iterator[List[str]]:
         yield reads
     finally:
         _counters.remove(reads)
-
-
-__all__ = ["to_host", "count_host_reads"]

@@ -136,6 +136,3 @@ class IterationFlags:
             out[name] = values[offset : offset + t.numel()]
             offset += t.numel()
         return out
-
-
-__all__ = ["plain_value", "LossRecord", "weights_nonfinite", "weights_finite", "IterationFlags"]

@@ -160,6 +160,3 @@ class RollbackBudget:
 
     def load(self, steps: Sequence[int]) -> None:
         self.steps = deque(steps)
-
-
-__all__ = ["FP8DivergenceError", "SnapshotKeeper", "RollbackBudget", "TrainingState", "divergence_message"]

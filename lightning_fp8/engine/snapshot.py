@@ -526,9 +526,3 @@ def _materialize(host: torch.Tensor, spec: _TensorSpec) -> torch.Tensor:
     if spec.mesh is not None:
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
     return local
-
-
-__all__ = [
-    "Snapshot", "SnapshotMemoryError", "HostBufferPlan", "LocalRanks", "check_host_memory", "local_snapshot_ranks",
-    "plan_host_buffers", "model_tensors", "local_tensor", "is_dtensor",
-]

@@ -124,6 +124,3 @@ class ScalingStepCloser:
             self._constants = StepConstants(*(torch.stack(values).to(device) for values in zip(*per_layer)))
             self._constants_key = key
         return self._constants
-
-
-__all__ = ["ScalingStepCloser"]

@@ -194,7 +194,3 @@ def _log_all_gather(core: "FP8PrecisionCore", decisions: Dict[str, Optional[str]
     if off:
         message += f"; in high precision: {'; '.join(off[:5])}{' ...' if len(off) > 5 else ''}"
     core._rank_zero_info(message)
-
-
-__all__ = ["convert_for_fsdp", "prepare_for_sharding", "release_unsharded", "adopt_sharded_module",
-           "register_gradient_communication", "warn_if_gathered_in_high_precision", "adopt_tensor_parallel"]

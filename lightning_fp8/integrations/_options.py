@@ -106,7 +106,3 @@ def resolve_compute_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(value, str) and value in COMPUTE_DTYPES:
         return COMPUTE_DTYPES[value]
     raise ValueError(f"compute_dtype={value!r} is not valid; valid choices: {list(COMPUTE_DTYPES)}")
-
-
-__all__ = ["validate_options", "recipe_choice", "resolve_compute_dtype", "UnsupportedOptions",
-           "OPTIMIZER_STATE_CHOICES", "GRADIENT_COMMUNICATION_CHOICES", "COMPUTE_DTYPES", "BACKEND_CHOICES"]

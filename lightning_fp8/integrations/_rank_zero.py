@@ -39,6 +39,3 @@ def rank_zero_warn(message: str) -> None:
     """Warn (UserWarning) on rank 0 only."""
     if global_rank() == 0:
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-__all__ = ["global_rank", "rank_zero_info", "rank_zero_warn"]

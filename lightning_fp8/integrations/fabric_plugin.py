@@ -215,6 +215,3 @@ def load_checkpoint(fabric: Any, path: Any, state: Dict[str, Any], **kwargs: Any
                 obj.load_state_dict(value)
             state[key] = obj
     return remainder
-
-
-__all__ = ["FP8Precision", "load_checkpoint"]

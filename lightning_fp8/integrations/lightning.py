@@ -205,6 +205,3 @@ class FP8Precision(Precision, FabricFP8Precision):
     # FP8PrecisionCore.state_dict) under the plugin's entry and hands it back to `load_state_dict` after
     # `convert_module`. The model's own state_dict has no FP8 entries, so every checkpoint loads into the plain model
     # as well (LightningModule.load_from_checkpoint, weights-only checkpoints).
-
-
-__all__ = ["FP8Precision"]

@@ -182,6 +182,3 @@ def _decide_in_place(core: "FP8PrecisionCore", model: nn.Module, pending: Dict[s
                 gather_in_high_precision(layer, "computes in BF16: kept there by the conversion rules")
         elif not uses_fp8_all_gather(layer) and core.options.fp8_all_gather and is_fsdp_sharded(model):
             explain_high_precision_gather(layer, fqn, users)
-
-
-__all__ = ["FP8LinearBuilder", "constructing_fp8_layers", "suspended", "set_fp8_all_gather", "settle_built_layers"]

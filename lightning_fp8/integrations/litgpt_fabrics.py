@@ -319,7 +319,3 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Any]:
             os.environ.pop(ENV_OPTIONS, None)
         else:
             os.environ[ENV_OPTIONS] = saved_env
-
-
-__all__ = ["main", "fp8_fabrics", "parse_command_line", "option_parser", "FP8_PRECISIONS", "LITGPT_PRECISION",
-           "CHECKPOINT_KEY", "ENV_OPTIONS"]

@@ -6,7 +6,5 @@ from lightning_fp8.modules.gemm import FP8EmulationWarning, FP8GemmRefusedError,
 from lightning_fp8.modules.linear import FP8Layer, FP8Linear, FP8LayerState
 from lightning_fp8.renamed import renamed_module_names
 
-__all__ = ["FP8Layer", "FP8Linear", "FP8Conv1d", "FP8Conv2d", "FP8LayerState", "fp8_autocast", "fp8_gemm", "FP8EmulationWarning",
-           "FP8GemmRefusedError"]
 
 __getattr__ = renamed_module_names(__name__, {"FP8LinearMeta": ("FP8LayerState", FP8LayerState)})

@@ -262,7 +262,3 @@ def cast_to_fp8(
     if layout == "row":
         return out.reshape(x.shape)
     return out_t if layout == "t" else (out, out_t)
-
-
-__all__ = ["Caster", "PerTensorCaster", "TiledCaster", "MicroscaledCaster", "GroupedCaster", "caster_for", "observed_cast_scale", "cast_to_fp8",
-           "scaling_mode"]

@@ -159,6 +159,3 @@ class FP8Conv2d(FP8ConvNd, nn.Conv2d):
     """nn.Conv2d whose GEMMs run in FP8 (see the module docstring). `FP8Conv2d.from_conv(conv, recipe)`."""
 
     unconverted_class = nn.Conv2d
-
-
-__all__ = ["FP8ConvNd", "FP8Conv1d", "FP8Conv2d", "CONV_SCALINGS", "TILED_SCALINGS"]

@@ -245,6 +245,3 @@ def fine_grained_conv(layer, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
         outs.append(linear_gemms(cols[g], w_g, b, x_cast, w_cast, meta.amax_history, observer, cfg))
     out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
     return out.to(out_dtype).view(n, out_hw[0], out_hw[1], out.shape[1]).permute(0, 3, 1, 2)
-
-
-__all__ = ["FP8ConvGemms", "per_tensor_conv", "fine_grained_conv", "Unfold"]

@@ -177,18 +177,3 @@ def weight_from_matrix(dw: Tensor, weight_shape: torch.Size) -> Tensor:
     """A (O, kh*kw*C/g) gradient in the columns' order back to the weight's (O, C/g, kh, kw) shape (a view)."""
     o, cg, kh, kw = weight_shape
     return dw.reshape(o, kh, kw, cg).permute(0, 3, 1, 2)
-
-
-__all__ = [
-    "ConvGeometry",
-    "PADDING_MODES",
-    "is_channels_last",
-    "padded_nhwc",
-    "im2col",
-    "col2im_add_",
-    "input_gradient_geometry",
-    "flipped_weight_matrix",
-    "crop_to_input",
-    "weight_matrix",
-    "weight_from_matrix",
-]

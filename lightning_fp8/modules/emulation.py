@@ -286,6 +286,3 @@ def emulate_grouped(operands: GemmRequest) -> Tensor:
     b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad)).contiguous()
     out = torch._grouped_mm(a32, b32, offs=offsets)
     return (out * a.scale_inv * b.scale_inv).to(operands.out_dtype)
-
-
-__all__ = ["emulate", "emulate_grouped", "cpu_has_native_bf16", "dequantized", "fp8_bf16_image"]

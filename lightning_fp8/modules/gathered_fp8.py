@@ -208,7 +208,3 @@ def resolve_gathered(tensor: Tensor, recipe: FP8Recipe, record: bool, fp8: bool)
 def observed_weight(tensor: Tensor) -> Tensor:
     """What an observer samples for `tensor` (a precast operand's high-precision local part)."""
     return tensor.observed() if isinstance(tensor, GatheredFP8Tensor) else tensor
-
-
-__all__ = ["GatheredFP8Tensor", "GatheredFP8Weight", "GatheredFP8Input", "CastKey", "HighPrecisionSource",
-           "resolve_gathered", "observed_weight"]

@@ -269,7 +269,3 @@ def high_precision_gemm(a: Tensor, b: Tensor, out_dtype: torch.dtype, offsets: O
     if software_bf16:
         return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(out_dtype)
     return torch.mm(a, b)
-
-
-__all__ = ["fp8_gemm", "run_gemm", "high_precision_gemm", "record_gemms", "warn_emulation", "resolve_backend",
-           "scaled_mm_supported", "FP8EmulationWarning", "FP8GemmRefusedError"]

@@ -188,7 +188,3 @@ def _mmaemu(backend: str):
         raise ImportError(f"lightning_fp8: FP8Recipe(backend={backend!r}) needs mmaemu (the model of the GPU's FP8 "
                           "GEMMs): pip install 'lightning-fp8[h100]' (or pip install mmaemu)") from error
     return mmaemu
-
-
-__all__ = ["MODELLED_GPUS", "ModelledGPU", "known_splits", "modelled_call", "run_on_gpu_model", "UnmodelledGemmError",
-           "SplitKUnknownError"]

@@ -286,7 +286,3 @@ def register_with_transformers() -> None:
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ExpertsInterface.register(IMPLEMENTATION, fp8_experts_forward)
-
-
-__all__ = ["FP8GroupedLinear", "ExpertsLayout", "Projection", "experts_layout", "grouped_recipe", "convert_experts",
-           "revert_experts", "fp8_experts_forward", "fp8_gemms", "register_with_transformers", "IMPLEMENTATION"]

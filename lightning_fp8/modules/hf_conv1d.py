@@ -77,6 +77,3 @@ if Conv1D is not None:
 
 else:
     FP8Conv1D = None
-
-
-__all__ = ["FP8Conv1D", "Conv1D", "IMPORT_ERROR"]

@@ -362,7 +362,5 @@ def _upgrade_per_role_layout(state_dict, prefix: str) -> None:
             state_dict.pop(f"{prefix}{role}.{name}", None)
 
 
-__all__ = ["FP8LayerState", "RoleState", "ROLE_INDEX", "stochastic_rounding_state", "uses_rounding_stream",
-           "new_rounding_stream", "report_restarted_scaling"]
 
 __getattr__ = renamed_module_names(__name__, {"FP8LinearMeta": ("FP8LayerState", FP8LayerState)})

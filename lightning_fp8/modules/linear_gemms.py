@@ -160,6 +160,3 @@ def _matrix_tensors(m: Optional[FP8Matrix]):
 def _matrix(tensors, tile) -> Optional[FP8Matrix]:
     data, scale_inv, tensor_scale = tensors
     return None if data is None else FP8Matrix(data, scale_inv, tile, tensor_scale)
-
-
-__all__ = ["FP8LinearGemms", "GemmConfig", "linear_gemms"]

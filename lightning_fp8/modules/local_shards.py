@@ -213,7 +213,3 @@ def _skip_fp8_metadata() -> None:
 
 
 _skip_fp8_metadata()
-
-
-__all__ = ["TensorParallelLayout", "is_dtensor", "layout_of", "localize_fp8_state", "parallel_forward",
-           "refuse_gathered_input", "LAYOUT_ATTR"]

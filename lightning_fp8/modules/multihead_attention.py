@@ -253,14 +253,3 @@ class FastPathFree(nn.Module):
     def forward(self, *args, **kwargs):
         with mha_fastpath_disabled():
             return super().forward(*args, **kwargs)
-
-
-__all__ = [
-    "MultiheadAttentionProjection",
-    "FP8MultiheadAttentionProjection",
-    "ProjectedMultiheadAttention",
-    "FastPathFree",
-    "projections_for",
-    "mha_fastpath_disabled",
-    "PROJECTION_NAMES",
-]

@@ -95,6 +95,3 @@ class GemmRequest(NamedTuple):
         """(M, K, N), K in elements (packed FP4 holds two per byte along K); a grouped GEMM's over all groups."""
         packing = 2 if FP4 is not None and self.a.data.dtype == FP4 else 1
         return self.a.data.shape[0], self.a.data.shape[1] * packing, self.b.data.shape[-1]
-
-
-__all__ = ["FP8Matrix", "FP8Operand", "GemmRequest", "Tile", "FP4"]

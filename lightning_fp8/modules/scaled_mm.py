@@ -952,12 +952,3 @@ def target_for(capability: Sequence[int], torch_version: Optional[Tuple[int, int
     contract suite."""
     target = ScaledMMTarget.of(DeviceProfile("cuda", (int(capability[0]), int(capability[1]))))
     return replace(target, torch_version=torch_version) if torch_version is not None else target
-
-
-__all__ = [
-    "ARCH_RULES", "ArchRules", "TORCH_RULES", "TorchRules", "rules_for_torch", "GemmRequest", "scaling_kind", "Refusal",
-    "ScaledMMCall", "ScaledMMTarget", "plan_scaled_mm",
-    "check_call", "target_for", "TENSORWISE", "ROWWISE", "BLOCK_1x128_128x128", "BLOCK_1x128_1x128", "V1", "V2",
-    "MXFP8", "NVFP4", "MICROSCALED", "swizzle_32_4_4", "ScaledGroupedMMCall", "GROUPED_V1", "GROUPED_ROWS",
-    "GROUPED_CONTRACTION", "GROUPED", "GROUP_ALIGNMENT",
-]

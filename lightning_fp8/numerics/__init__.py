@@ -2,18 +2,3 @@
 from lightning_fp8.numerics.formats import E4M3, E5M2, FORMATS, FP8Format, get_format
 from lightning_fp8.numerics.quantize import dequantize, quantize, saturate, tensor_amax
 from lightning_fp8.numerics.scaling import cast_scale, close_step, scale_from_amax
-
-__all__ = [
-    "E4M3",
-    "E5M2",
-    "FORMATS",
-    "FP8Format",
-    "get_format",
-    "quantize",
-    "dequantize",
-    "saturate",
-    "tensor_amax",
-    "scale_from_amax",
-    "cast_scale",
-    "close_step",
-]

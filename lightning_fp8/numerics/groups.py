@@ -103,6 +103,3 @@ def grouped_gemm_reference(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_in
         if end > start:
             out[g] = (a32[:, start:end] @ b32[start:end]) * a_scale_inv[g] * b_scale_inv[g]
     return out.to(out_dtype)
-
-
-__all__ = ["group_of_rows", "group_counts", "group_amax", "quantize_groups", "grouped_gemm_reference"]

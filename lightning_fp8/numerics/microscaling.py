@@ -406,12 +406,3 @@ def _tensor_scale_product(a_scale: Optional[Tensor], b_scale: Optional[Tensor], 
     ga = a_scale.to(torch.float32).reshape(()) if a_scale is not None else one
     gb = b_scale.to(torch.float32).reshape(()) if b_scale is not None else one
     return ga * gb
-
-
-__all__ = [
-    "MX_BLOCK", "NVFP4_BLOCK", "E8M0", "HADAMARD_SEED", "FP4_MAGNITUDES", "mx_scales", "e8m0_reciprocal",
-    "quantize_mx", "dequantize_mx", "fp4_codes", "fp4_values", "pack_fp4", "unpack_fp4", "nvfp4_tensor_scale",
-    "nvfp4_block_scales", "quantize_nvfp4", "dequantize_nvfp4", "hadamard_signs", "hadamard_sign_mask",
-    "hadamard_matrix", "hadamard_transform", "philox4x32", "philox_uniform", "per_tile",
-    "operand_values", "gemm_reference",
-]

@@ -162,15 +162,3 @@ def close_step(
     process's version of what the engine does around a cross-rank MAX of the step amax."""
     clean, overflow, clip = step_flags(history, constants)
     return advance_history(history, clean, taken), overflow, clip
-
-
-__all__ = [
-    "scale_from_amax",
-    "power_of_2_floor",
-    "reference_amax",
-    "cast_scale",
-    "StepConstants",
-    "step_flags",
-    "advance_history",
-    "close_step",
-]

@@ -178,15 +178,3 @@ def _round_trip(xs: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, rounding:
         scaled = torch.clamp(xs * scale, -fmt.max, fmt.max)
         return fp4_values(fp4_codes(scaled, noise)) / scale
     return dequantize(quantize(xs, scale, fmt, rounding=rounding, generator=generator), scale.reciprocal())
-
-
-__all__ = [
-    "DEFAULT_SAMPLE_SIZE",
-    "QuantStats",
-    "STAT_FIELDS",
-    "quantization_stats",
-    "sample_elements",
-    "overflow_fraction",
-    "underflow_fraction",
-    "sqnr_db",
-]

@@ -209,20 +209,3 @@ def exact_in_bf16(scale_inv: torch.Tensor) -> bool:
         return True
     mantissa, exponent = torch.frexp(s)
     return bool(((mantissa == 0.5) & (exponent > -100) & (exponent < 100)).all())
-
-
-__all__ = [
-    "Tile",
-    "tile_extent",
-    "grid_shape",
-    "tile_amax",
-    "tile_scales",
-    "expand_tiles",
-    "quantize_tiles",
-    "amax_of_tiles",
-    "dequantize_tiles",
-    "operand_tiles",
-    "transposed",
-    "tiled_gemm_reference",
-    "exact_in_bf16",
-]

@@ -4,12 +4,4 @@ from lightning_fp8.optim.adamw import FP8AdamW, state_bytes_per_param
 from lightning_fp8.optim.blockwise import dequantize_blockwise, quantize_blockwise
 from lightning_fp8.optim.optimizer_swap import rebind_lr_schedulers, to_fp8_optimizer, unsupported_optimizer_message
 
-__all__ = [
-    "FP8AdamW",
-    "state_bytes_per_param",
-    "to_fp8_optimizer",
-    "unsupported_optimizer_message",
-    "rebind_lr_schedulers",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-]
+__all__ = ["FP8AdamW", "state_bytes_per_param"]

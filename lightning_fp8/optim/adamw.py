@@ -289,6 +289,3 @@ def state_bytes_per_param(optimizer: Optimizer) -> float:
                 seen.add(id(value))
                 total += value.numel() * value.element_size()
     return total / max(n_params, 1)
-
-
-__all__ = ["FP8AdamW", "state_bytes_per_param", "MASTER_WEIGHTS", "FP8_GROUP_KEYS", "TORCH_IMPL_KEYS"]

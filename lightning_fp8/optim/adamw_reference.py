@@ -99,6 +99,3 @@ def adamw_step_(
 
 def _as_float(x: Any) -> float:
     return float(x.item()) if torch.is_tensor(x) else float(x)
-
-
-__all__ = ["adamw_step_", "MomentCodec", "FlatMoments"]

@@ -100,6 +100,3 @@ def dequantize_blockwise(
     blocks = _blocks(data, block_size)  # exact: every FP8 / FP16 value is exact in float32
     out = dequantize(blocks, scale_inv[:, None]).reshape(-1)[:numel]
     return out.reshape(shape if shape is not None else (numel,))
-
-
-__all__ = ["FP16_STORAGE", "num_blocks", "block_amax", "quantize_blockwise", "dequantize_blockwise"]

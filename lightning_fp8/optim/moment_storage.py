@@ -175,14 +175,3 @@ def adopt_state(param: torch.Tensor, group: Dict[str, Any], saved: State, saved_
 def _storage_matches(state: State, exp_avg_sq_dtype: str) -> bool:
     want = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": E4M3.dtype}[exp_avg_sq_dtype]
     return state["exp_avg_sq"].dtype == want
-
-
-__all__ = [
-    "EXP_AVG_SQ_DTYPES",
-    "uses_compressed_state",
-    "is_compressed",
-    "init_state",
-    "read_moments",
-    "write_moments",
-    "adopt_state",
-]

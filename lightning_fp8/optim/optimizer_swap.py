@@ -138,6 +138,3 @@ def _track_step_called(optimizer: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
-
-
-__all__ = ["to_fp8_optimizer", "unsupported_optimizer_message", "rebind_lr_schedulers", "SUPPORTED_OPTIMIZERS"]

@@ -69,6 +69,3 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-__all__ = ["stochastic_round", "noise_seed", "seeded_generator", "LOW_PRECISION_DTYPES"]

@@ -176,6 +176,3 @@ def adopt_sharded_state(param: torch.Tensor, group: Dict[str, Any], saved: State
         local_out["exp_avg"].copy_(m.reshape(local_param.shape))
         local_out["exp_avg_sq"].copy_(v.reshape(local_param.shape))
     return out
-
-
-__all__ = ["is_sharded", "init_sharded_state", "sharded_step_", "adopt_sharded_state", "RowPaddedMoments"]

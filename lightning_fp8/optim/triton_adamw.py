@@ -274,6 +274,3 @@ def adamw_step_triton_(param: torch.Tensor, grad: torch.Tensor, state: Dict[str,
                        hw_cast: Optional[bool] = None) -> None:
     """One parameter's fused step: `adamw_multi_step_triton_` with a table of one tensor."""
     adamw_multi_step_triton_([param], [grad], [state], group, hw_cast=hw_cast)
-
-
-__all__ = ["supports", "adamw_multi_step_triton_", "adamw_step_triton_"]

@@ -64,4 +64,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["write_report", "render_report", "main", "load_history", "REPORT_FILENAME"]
+__all__ = ["write_report", "main"]

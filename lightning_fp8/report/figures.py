@@ -204,6 +204,3 @@ def layer_charts(history: RunHistory, fqn: str, x_range, ov: Overlay, t: Thresho
                    hlines=ratio_lines, chart_id="range_ratio"),
         line_chart(series("sqnr_db"), "SQNR (dB)", x_range, overlay=ov, hlines=sqnr_lines, chart_id="sqnr"),
     ]
-
-
-__all__ = ["overlay", "training_charts", "health_maps", "is_coarse", "layer_charts", "legend", "ROLE_COLOURS"]

@@ -222,6 +222,3 @@ def mark_level(mark: TensorMark, t: Thresholds) -> str:
     if mark.kind == "nonfinite" or mark.ratio is None:
         return "nonfinite"
     return level("overflow", mark.ratio, t)
-
-
-__all__ = ["Thresholds", "AttentionItem", "attention", "level", "mark_level", "LEVELS", "PROBLEM_LEVELS", "RULES", "ROLE_NAMES"]

@@ -197,6 +197,3 @@ def _states(row: MapRow, rule: str, fx, x1: float, y: float) -> List[str]:
                 f'<title>step {state.step}: {escape(state.kind)} {escape(row.fqn)}: {escape(state.reason)}</title></path>'
             )
     return parts
-
-
-__all__ = ["health_map", "MapRow", "Cell", "Mark", "LEVEL_COLOURS", "COARSE_CELLS"]

@@ -275,6 +275,3 @@ def load_history(path: str) -> RunHistory:
     history.samples.sort(key=lambda s: int(s.get("step", 0)))
     history.events.sort(key=lambda e: int(e.get("step", 0)))
     return history
-
-
-__all__ = ["RunHistory", "TensorMark", "LayerState", "load_history", "find_history", "to_float", "STATE_KINDS"]

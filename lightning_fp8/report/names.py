@@ -55,6 +55,3 @@ def short_names(fqns: Sequence[str], max_len: int = 30) -> Dict[str, str]:
         if counts[short] == 1:
             out[f] = short
     return out
-
-
-__all__ = ["short_names"]

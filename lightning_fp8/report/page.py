@@ -224,6 +224,3 @@ def render_page(history: RunHistory, log: TrainingLog, title: Optional[str] = No
 def _role_legend() -> str:
     return "".join(f"<span class='legend'><span><i style='background:{c}'></i>{escape(ROLE_NAMES[r])}</span></span>"
                    for r, c in ROLE_COLOURS.items())
-
-
-__all__ = ["render_page"]

@@ -291,6 +291,3 @@ def timeline(events: Sequence[dict], x_range: Tuple[float, float], width: int = 
         )
     parts.append("</svg>")
     return "".join(parts)
-
-
-__all__ = ["line_chart", "timeline", "draw_overlay", "Overlay", "EVENT_STYLE", "fmt", "step_ticks"]

@@ -141,6 +141,3 @@ def read_training_log(directory: str) -> TrainingLog:
     if not log.sources and not log.notes:
         log.notes.append(f"no logger output ({CSV_FILENAME} or TensorBoard event files) in {directory}")
     return log
-
-
-__all__ = ["TrainingLog", "read_training_log", "CSV_FILENAME"]

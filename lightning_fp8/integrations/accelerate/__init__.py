@@ -11,5 +11,3 @@ from lightning_fp8.integrations.accelerate.kwargs import FP8Kwargs
 from lightning_fp8.integrations.accelerate.launcher import main
 from lightning_fp8.integrations.accelerate.optimizer import FP8AcceleratedOptimizer
 from lightning_fp8.integrations.accelerate.plain import enable_fp8
-
-__all__ = ["FP8Accelerator", "FP8AcceleratorMixin", "FP8Kwargs", "FP8AcceleratedOptimizer", "enable_fp8", "main"]

@@ -482,6 +482,3 @@ def _resolve_mixed_precision(value: Any) -> str:
             f"{value!r}; reset it (AcceleratorState._reset_state(True)) or restart the process."
         )
     return value
-
-
-__all__ = ["FP8Accelerator", "FP8AcceleratorMixin", "SUPPORTED_DISTRIBUTED_TYPES"]

@@ -42,6 +42,3 @@ class FP8CheckpointState:
                 "registered first. Load it with the mixed precision it was saved with."
             )
         self.core.load_state_dict({k: v for k, v in state.items() if k != "format"})
-
-
-__all__ = ["FP8CheckpointState", "CHECKPOINT_FORMAT"]

@@ -43,6 +43,3 @@ def _is_wrapped(forward: Any) -> bool:
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False
-
-
-__all__ = ["wrap_forward"]

@@ -249,7 +249,3 @@ def _flag(name: str, value: str) -> bool:
 def _reset_said() -> None:
     """Forget what was said (tests)."""
     _said.clear()
-
-
-__all__ = ["LaunchFP8Config", "read_launch_config", "given_settings", "explicit_fp8_args", "keep_explicit_fp8_args",
-           "say_once", "FIELDS", "FORMATS"]

@@ -30,6 +30,3 @@ class FP8Kwargs(KwargsHandler):
     def build_core(self) -> FP8PrecisionCore:
         """The engine and option handling the Lightning / Fabric plugins share, built from these options."""
         return FP8PrecisionCore(**option_values(self))
-
-
-__all__ = ["FP8Kwargs"]

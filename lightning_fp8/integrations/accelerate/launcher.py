@@ -86,6 +86,3 @@ def _end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-__all__ = ["main", "run_fp8", "RUN_COMMAND"]

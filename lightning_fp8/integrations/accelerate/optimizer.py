@@ -39,6 +39,3 @@ def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-__all__ = ["FP8AcceleratedOptimizer", "inner_optimizer"]

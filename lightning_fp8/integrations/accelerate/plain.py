@@ -141,6 +141,3 @@ def _foreign_fp8_handlers(cls: type, args: tuple, kwargs: dict) -> list:
     except TypeError:  # arguments __init__ will refuse itself, with its own message
         handlers = kwargs.get("kwargs_handlers")
     return [type(h).__name__ for h in handlers or () if type(h).__name__ in ACCELERATE_FP8_HANDLERS]
-
-
-__all__ = ["enable_fp8", "install", "uninstall", "fp8_requested", "default_kwargs", "ACCELERATE_FP8_HANDLERS"]

@@ -220,6 +220,3 @@ def _option_file_keys(path: str) -> set:
     except Exception:  # not an options file after all: it says nothing about the precision
         return set()
     return set(content) if isinstance(content, dict) else set()
-
-
-__all__ = ["PrecisionSource", "trace", "PRECISION_FIELDS"]
