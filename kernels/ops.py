@@ -243,9 +243,9 @@ def _scaled_cast_fake(x, history, role, fmt, scaling, algo_max, margin, power_of
     return x.new_empty((m, n), dtype=dtype), out_t, scalar, x.new_empty((), dtype=torch.float32)
 
 
-def materializes_transpose(x: Tensor) -> bool:
-    """Whether `scaled_cast(..., write_t=True)` writes x_fp8^T for `x` (the fused kernel does, in the same pass)."""
-    return triton_enabled_for(x)
+#: materializes_transpose(x): whether `scaled_cast(..., write_t=True)` writes x_fp8^T for `x`: the fused kernel does,
+#: in the same pass, exactly where it runs (the name says what the casters ask; the answer is where Triton runs)
+materializes_transpose = triton_enabled_for
 
 
 def scaled_cast(

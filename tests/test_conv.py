@@ -284,9 +284,9 @@ def test_cuda_scaled_mm_conv_equals_its_definition(name, build, shape, channels_
     column-major im2col and weight matrices, which tests/test_cuda_contract.py checks on CPU, and dy^T from the
     Triton cast where triton is installed) equals the definition within the float32 summation bound (fast
     accumulation off: it accumulates in less than float32)."""
-    from lightning_fp8.modules.gemm import scaled_mm_supported
+    from lightning_fp8.kernels.device import profile_of
 
-    if not scaled_mm_supported(torch.device("cuda")):
+    if not profile_of(torch.device("cuda")).fp8_tensor_cores:
         pytest.skip("GPU without FP8 tensor cores")
     torch.manual_seed(0)
     conv = build().cuda()

@@ -174,9 +174,9 @@ def test_scaled_mm_backend_requires_capable_gpu():
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_cuda_scaled_mm_vs_emulation(m, k, n, da, db, out_dtype, with_bias, fast_accum):
-    from lightning_fp8.modules.gemm import scaled_mm_supported
+    from lightning_fp8.kernels.device import profile_of
 
-    if not scaled_mm_supported(torch.device("cuda")):
+    if not profile_of(torch.device("cuda")).fp8_tensor_cores:
         pytest.skip("GPU without FP8 tensor cores")
     a = _fp8((m, k), da, 1, "cuda")
     b = _fp8((n, k), db, 2, "cuda").t()

@@ -226,9 +226,9 @@ def test_tiled_gemm_is_a_custom_op_that_compiles_whole():
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cuda_tiled_gemm_vs_definition(a_tile, b_tile, m, k, n, out_dtype, with_bias):
-    from lightning_fp8.modules.gemm import scaled_mm_supported
+    from lightning_fp8.kernels.device import profile_of
 
-    if not scaled_mm_supported(torch.device("cuda")):
+    if not profile_of(torch.device("cuda")).fp8_tensor_cores:
         pytest.skip("GPU without FP8 tensor cores")
     a, sa, b, sb = _operands(m, k, n, a_tile, b_tile, device="cuda")
     bias = torch.randn(n, device="cuda") if with_bias else None

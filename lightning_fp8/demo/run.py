@@ -182,9 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"corpus: {len(corpus.train):,} train / {len(corpus.val):,} val characters, vocab {corpus.vocab_size}"
           f" ({args.data or 'CPython standard library'})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from lightning_fp8.modules.gemm import scaled_mm_supported
+    from lightning_fp8.kernels.device import profile_of
 
-    emulated = not scaled_mm_supported(torch.device(device))
+    emulated = not profile_of(torch.device(device)).fp8_tensor_cores
     if emulated:
         print(f"note: no FP8 tensor cores on {device}; FP8 GEMMs are emulated (real FP8 casts, float32 products)")
     baseline_name, why = choose_baseline(args.baseline, device)

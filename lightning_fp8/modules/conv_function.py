@@ -34,6 +34,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from lightning_fp8.kernels.device import profile_of
 from lightning_fp8.modules.cast import cast_to_fp8, caster_for
 from lightning_fp8.modules.conv_layout import (
     ConvGeometry,
@@ -47,7 +48,7 @@ from lightning_fp8.modules.conv_layout import (
     weight_matrix,
 )
 from lightning_fp8.modules.linear_gemms import GemmConfig, linear_gemms
-from lightning_fp8.modules.gemm import fp8_gemm, scaled_mm_supported
+from lightning_fp8.modules.gemm import fp8_gemm
 from lightning_fp8.modules.operand import FP8Matrix
 from lightning_fp8.recipe import FP8Recipe
 
@@ -65,13 +66,7 @@ def _b_column_major(device: torch.device, backend: str) -> bool:
     planner passes it on instead of copying it again. The emulation reads either layout. Decided by the device, not
     by the FP8 tensor: `kernels.materializes_transpose` answers whether the cast kernel writes a transpose, and is
     False for every FP8 tensor (the kernels read high-precision input only)."""
-    return backend != "emulated" and scaled_mm_supported(device)
-
-
-def _gemm(a: FP8Matrix, b: FP8Matrix, out_dtype: torch.dtype, cfg: GemmConfig, bias: Optional[Tensor] = None,
-          use_fast_accum: bool = False) -> Tensor:
-    recipe = cfg.recipe
-    return fp8_gemm(a, b, out_dtype, bias, use_fast_accum, recipe.backend, recipe.allow_emulation)
+    return backend != "emulated" and profile_of(device).fp8_tensor_cores
 
 
 def _group_slice(size: int, groups: int, group: int) -> slice:
@@ -95,9 +90,9 @@ class FP8ConvGemms(torch.autograd.Function):
         outs = []
         for g in range(groups):
             b = bias[_group_slice(bias.shape[0], groups, g)] if bias is not None else None
-            outs.append(_gemm(FP8Matrix(im2col(xp_fp8, geometry, g, out_hw), x_scale_inv),
-                              FP8Matrix(weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, cfg, b,
-                              cfg.recipe.fast_accum_forward))
+            outs.append(fp8_gemm(FP8Matrix(im2col(xp_fp8, geometry, g, out_hw), x_scale_inv),
+                                 FP8Matrix(weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, b,
+                                 cfg.recipe.fast_accum_forward, cfg.recipe.backend, cfg.recipe.allow_emulation))
         out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
         ctx.cfg, ctx.geometry, ctx.observer = cfg, geometry, observer
         ctx.x_shape, ctx.x_dtype, ctx.x_format = tuple(x.shape), x.dtype, _memory_format(x)
@@ -141,9 +136,9 @@ class FP8ConvGemms(torch.autograd.Function):
             g_a = dy.matrix_t().data  # (O, M)
             column_major = _b_column_major(xp_fp8.device, cfg.recipe.backend)
             parts = [
-                _gemm(FP8Matrix(g_a[_group_slice(o, groups, g)], g_scale_inv),
-                      FP8Matrix(im2col(xp_fp8, geometry, g, out_hw, transposed=column_major), x_scale_inv),
-                      cfg.out_dtype, cfg)
+                fp8_gemm(FP8Matrix(g_a[_group_slice(o, groups, g)], g_scale_inv),
+                         FP8Matrix(im2col(xp_fp8, geometry, g, out_hw, transposed=column_major), x_scale_inv),
+                         cfg.out_dtype, None, False, cfg.recipe.backend, cfg.recipe.allow_emulation)
                 for g in range(groups)
             ]
             dw = parts[0] if groups == 1 else torch.cat(parts, dim=0)
@@ -167,8 +162,9 @@ def _input_gradient(g_fp8: Tensor, g_scale_inv: Tensor, w_fp8: Tensor, w_scale_i
     dgeo = input_gradient_geometry(geometry)
     if dgeo is not None:
         gp = padded_nhwc(g_fp8.view(n, out_hw[0], out_hw[1], o).permute(0, 3, 1, 2), dgeo)
-        parts = [_gemm(FP8Matrix(im2col(gp, dgeo, g, (h, w)), g_scale_inv),
-                       FP8Matrix(flipped_weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, cfg)
+        parts = [fp8_gemm(FP8Matrix(im2col(gp, dgeo, g, (h, w)), g_scale_inv),
+                          FP8Matrix(flipped_weight_matrix(w_fp8, g, groups).t(), w_scale_inv), cfg.out_dtype, None,
+                          False, cfg.recipe.backend, cfg.recipe.allow_emulation)
                  for g in range(groups)]
         dx = parts[0] if groups == 1 else torch.cat(parts, dim=1)
         return dx.view(n, h, w, c).permute(0, 3, 1, 2)
@@ -176,9 +172,9 @@ def _input_gradient(g_fp8: Tensor, g_scale_inv: Tensor, w_fp8: Tensor, w_scale_i
     top, bottom, left, right = geometry.padding
     dxp = torch.zeros((n, h + top + bottom, w + left + right, c), dtype=torch.float32, device=g_fp8.device)
     for g in range(groups):
-        cols = _gemm(FP8Matrix(g_fp8[:, _group_slice(o, groups, g)], g_scale_inv),
-                     FP8Matrix(weight_matrix(w_fp8, g, groups, transposed=column_major), w_scale_inv), torch.float32,
-                     cfg)
+        cols = fp8_gemm(FP8Matrix(g_fp8[:, _group_slice(o, groups, g)], g_scale_inv),
+                        FP8Matrix(weight_matrix(w_fp8, g, groups, transposed=column_major), w_scale_inv),
+                        torch.float32, None, False, cfg.recipe.backend, cfg.recipe.allow_emulation)
         col2im_add_(dxp, cols, geometry, g, out_hw)
     # rounded once, to the compute dtype every other GEMM of the layer produces
     return crop_to_input(dxp, geometry, h, w).to(cfg.out_dtype)

@@ -48,11 +48,6 @@ class FP8GemmRefusedError(RuntimeError):
 _warned: set = set()
 
 
-def scaled_mm_supported(device: torch.device) -> bool:
-    """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or newer), or a simulated one."""
-    return profile_of(device).fp8_tensor_cores
-
-
 def resolve_backend(requested: str, device: torch.device) -> str:
     """"scaled_mm", "emulated" or a modelled GPU ("h100", "rtx4060": modules/gpu_model.py) for `device` under
     FP8Recipe.backend `requested`; warns once per device kind when "auto" emulates, and raises when "scaled_mm" is
@@ -171,10 +166,30 @@ def _fp8_gemm_op(
     allow_emulation: bool,
     offsets: Optional[Tensor] = None,
 ) -> Tensor:
-    operands = GemmRequest(FP8Matrix(a, a_scale_inv, _tile(a_tile), a_tensor_scale),
-                            FP8Matrix(b, b_scale_inv, _tile(b_tile), b_tensor_scale), out_dtype, bias, use_fast_accum,
-                            offsets)
-    return run_gemm(operands, backend, allow_emulation)
+    # the body of the op is the whole GEMM (torch.library takes flat tensors, so `fp8_gemm` above flattens the
+    # operands and this rebuilds them): the planned scaled GEMM where the device takes it, else the emulation
+    request = GemmRequest(FP8Matrix(a, a_scale_inv, _tile(a_tile), a_tensor_scale),
+                          FP8Matrix(b, b_scale_inv, _tile(b_tile), b_tensor_scale), out_dtype, bias, use_fast_accum,
+                          offsets)
+    device = request.a.data.device
+    profile = profile_of(device)
+    plan = None
+    resolved = resolve_backend(backend, device)
+    if resolved == "scaled_mm":
+        plan = plan_scaled_mm(request, ScaledMMTarget.of(profile))
+    # the ops inside run in the dtypes written here, whatever autocast region the op is called from
+    with autocast_off(device):
+        if resolved in MODELLED_GPUS:
+            return run_on_gpu_model(request, resolved)
+        if isinstance(plan, Refusal):
+            if not plan.quiet:
+                warn_emulation(f"{plan.reason}; this GEMM is emulated (exact FP8 values, float32 accumulation): "
+                               "numerics are FP8, speed is not.", key=("plan", profile.name, plan.reason))
+        elif isinstance(plan, ScaledMMCall) and (not profile.simulated or plan.runs_on_cpu or device.type == "meta"):
+            out = _launch(plan, allow_emulation)
+            if out is not None:
+                return out
+        return emulate_grouped(request) if request.offsets is not None else emulate(request)
 
 
 @_fp8_gemm_op.register_fake
@@ -188,29 +203,6 @@ def _fp8_gemm_fake(a, a_scale_inv, a_tile, a_tensor_scale, b, b_scale_inv, b_til
     if offsets is not None:  # a grouped contraction: one output matrix per group
         return a.new_empty((offsets.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-def run_gemm(operands: GemmRequest, backend: str = "auto", allow_emulation: bool = False) -> Tensor:
-    """The GEMM `operands` asks for: the planned scaled GEMM where the device takes it, else the emulation."""
-    device = operands.a.data.device
-    profile = profile_of(device)
-    plan = None
-    resolved = resolve_backend(backend, device)
-    if resolved == "scaled_mm":
-        plan = plan_scaled_mm(operands, ScaledMMTarget.of(profile))
-    # the ops inside run in the dtypes written here, whatever autocast region the op is called from
-    with autocast_off(device):
-        if resolved in MODELLED_GPUS:
-            return run_on_gpu_model(operands, resolved)
-        if isinstance(plan, Refusal):
-            if not plan.quiet:
-                warn_emulation(f"{plan.reason}; this GEMM is emulated (exact FP8 values, float32 accumulation): "
-                               "numerics are FP8, speed is not.", key=("plan", profile.name, plan.reason))
-        elif isinstance(plan, ScaledMMCall) and (not profile.simulated or plan.runs_on_cpu or device.type == "meta"):
-            out = _launch(plan, allow_emulation)
-            if out is not None:
-                return out
-        return emulate_grouped(operands) if operands.offsets is not None else emulate(operands)
 
 
 #: signatures of planned calls torch refused at run time and that are emulated by opt-in, with the reason
