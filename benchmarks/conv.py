@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,6 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,10 +37,10 @@ from lightning_fp8 import FP8Conv2d, FP8Linear, FP8Recipe  # noqa: E402
 from lightning_fp8.modules.conv_layout import (  # noqa: E402
     ConvGeometry, col2im_add_, flipped_weight_matrix, im2col, input_gradient_geometry, padded_nhwc, weight_matrix,
 )
-from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 from lightning_fp8.modules.gemm import fp8_gemm  # noqa: E402
 from lightning_fp8.modules.operand import FP8Matrix  # noqa: E402
 from lightning_fp8.presets import get_preset  # noqa: E402
+from bench_io import machine, write_results  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -58,18 +55,6 @@ SHAPES = [
     ("s4 3x3 512->512 @1x1", 64, 512, 1, 512, 3, 1),
     ("224px s1 3x3 64->64 @56x56", 32, 64, 56, 64, 3, 1),
 ]
-
-
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "bf16_hardware": cpu_has_native_bf16(), "date": datetime.date.today().isoformat(),
-            "load_average_1min_at_start": os.getloadavg()[0]}
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -308,11 +293,7 @@ def main() -> None:
         return
     result = {"machine": machine(), "accuracy": accuracy_rows(), "speed": speed_rows(args.repeats),
               "bf16": bf16_row(), "strategy": strategy_rows(args.repeats)}
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,8 @@ model's prediction for it, and a small Mixtral trained in FP8 beside bf16-mixed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 warnings.simplefilter("ignore")
 
 from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
-from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
+from bench_io import machine, write_results  # noqa: E402
 
 
 # -- 1. SQNR ------------------------------------------------------------------------------------------------------------
@@ -228,24 +225,12 @@ def training(seeds, steps: int) -> dict:
 
 
 # -- report -------------------------------------------------------------------------------------------------------------
-def machine() -> dict:
-    return {"cpu": platform.processor() or _cpu_model(), "bf16_hardware": cpu_has_native_bf16(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
-            "date": datetime.date.today().isoformat()}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# Mixture-of-experts in FP8 ({m['date']}, {m['cpu']}, BF16 hardware: {m['bf16_hardware']}, torch "
-             f"{m['torch']}, load {m['load_1min']:.1f})", "",
+             f"{m['torch']}, load {m['load_average_1min_at_start']:.1f})", "",
              "Written by `python benchmarks/moe.py` (see its docstring for the setup).", ""]
     s = result["sqnr"]
     lines += ["## 1. SQNR of the grouped GEMMs against float32 (dB)", "",
@@ -300,11 +285,7 @@ def main() -> None:
     result = {"machine": machine(), "sqnr": sqnr(), "kernels": layer_kernels()}
     if not args.skip_training:
         result["training"] = training(args.seeds, args.steps)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown)
 
 
 if __name__ == "__main__":

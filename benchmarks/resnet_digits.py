@@ -23,12 +23,10 @@ cast unscaled).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,8 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from lightning_fp8 import FP8Recipe, convert_to_fp8, precision_map  # noqa: E402
 from lightning_fp8.engine import FP8TrainingEngine, StabilityConfig  # noqa: E402
-from lightning_fp8.modules.emulation import cpu_has_native_bf16  # noqa: E402
 from lightning_fp8.presets import get_preset  # noqa: E402
+from bench_io import machine  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -134,19 +132,10 @@ def bf16_step_seconds(args, train) -> float:
     return times[-1]
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+def _transformers_version() -> str:
     import transformers
 
-    return {"cpu": model, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "bf16_hardware": cpu_has_native_bf16(),
-            "date": datetime.date.today().isoformat(),
-            "load_average_1min_at_start": os.getloadavg()[0]}
+    return transformers.__version__
 
 
 def _bf16_step_text(result: dict, cfg: dict) -> str:
@@ -218,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     train, test = EXAMPLE.digits(args.image_size)
     config = {k: getattr(args, k) for k in ("seeds", "epochs", "batch_size", "lr", "image_size")}
-    result = {"machine": machine(), "runs": [], "config": config}
+    result = {"machine": machine(transformers=_transformers_version()), "runs": [], "config": config}
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             saved = json.load(f)

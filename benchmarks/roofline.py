@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ sys.path.insert(0, ROOT)
 from lightning_fp8 import FP8Recipe  # noqa: E402
 from lightning_fp8.conversion.roofline import MIN_KERNEL_S, LayerShape, predict, te_launches  # noqa: E402
 from lightning_fp8.conversion.shape_filter import GPUSpec, spec_for_name  # noqa: E402
+from bench_io import write_results  # noqa: E402
 
 MODELS = {
     "LLaMA-3 8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate/up": (4096, 14336), "down": (14336, 4096)},
@@ -221,11 +221,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/roofline")
     args = parser.parse_args()
     result = run()
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown)
 
 
 if __name__ == "__main__":
