@@ -137,8 +137,10 @@ class BNModule(RegressionModule):
         )
 
 
-def test_calibration_leaves_no_trace_besides_the_scales():
-    """Shuffled data: the first training batch is the same with and without calibration (the RNG is restored);
+@pytest.mark.parametrize("loader_generator", [False, True], ids=["global-rng", "loader-generator"])
+def test_calibration_leaves_no_trace_besides_the_scales(loader_generator):
+    """Shuffled data: the first training batch is the same with and without calibration (the RNG is restored, the
+    global one and a DataLoader's own `generator=`, whose state calibration's iterator advanced until the fix);
     BatchNorm running statistics are those of a run without calibration; the mode is train."""
 
     def fit(calibrate):
@@ -153,7 +155,8 @@ def test_calibration_leaves_no_trace_besides_the_scales():
                     stats["mean"] = pl_module.net[1].running_mean.clone()
                     stats["training"] = pl_module.training
 
-        data = DataLoader(loader().dataset, batch_size=32, shuffle=True)
+        generator = torch.Generator().manual_seed(5) if loader_generator else None
+        data = DataLoader(loader().dataset, batch_size=32, shuffle=True, generator=generator)
         callbacks = ([FP8Calibration(num_batches=3)] if calibrate else []) + [first, BN()]
         trainer(plugins=[FP8Precision()], max_steps=1, callbacks=callbacks).fit(model, data)
         return first, stats

@@ -116,14 +116,14 @@ class FP8Calibration(Callback):
         if all(layer.recipe.scaling != "delayed" for layer in layers.values()):
             log.info("lightning_fp8: FP8Calibration skipped: current scaling computes every scale from its own tensor")
             return
-        forward = self.forward_fn or _default_forward(pl_module)
+        forward = self.forward_fn or training_step_forward(pl_module)
         if forward is None:
             log.warning(
                 "lightning_fp8: FP8Calibration skipped: with manual optimization pass forward_fn=(module, batch, idx) "
                 "so calibration can run the model without stepping optimizers"
             )
             return
-        loader = self.dataloader if self.dataloader is not None else _train_iterable(trainer)
+        loader = self.dataloader if self.dataloader is not None else train_iterable(trainer)
         if loader is None:
             log.warning("lightning_fp8: FP8Calibration skipped: no train dataloader")
             return
@@ -131,7 +131,7 @@ class FP8Calibration(Callback):
         plugin = getattr(trainer, "precision_plugin", None)
         step_context = getattr(plugin, "train_step_context", None)
         n = 0
-        with _preserved_state(pl_module, trainer), torch.no_grad():
+        with preserved_state(pl_module, trainer, loader=(loader, trainer.train_dataloader)), torch.no_grad():
             pl_module.train()
             for batch_idx, batch in enumerate(itertools.islice(iter(loader), self.num_batches)):
                 batch = trainer.strategy.batch_to_device(batch)
@@ -157,7 +157,7 @@ class FP8Calibration(Callback):
         })
 
 
-def _default_forward(pl_module) -> Optional[ForwardFn]:
+def training_step_forward(pl_module) -> Optional[ForwardFn]:
     if not getattr(pl_module, "automatic_optimization", True):
         return None
 
@@ -167,7 +167,10 @@ def _default_forward(pl_module) -> Optional[ForwardFn]:
     return forward
 
 
-def _train_iterable(trainer) -> Optional[Iterable]:
+def train_iterable(trainer) -> Optional[Iterable]:
+    """The trainer's train dataloader(s) as one iterable of batches whose iterator is independent of the epoch's: a
+    DataLoader with persistent workers hands every `iter()` the same worker iterator, reset (a second iterator
+    during an epoch would cut the epoch short), so it is read through a single-process twin instead."""
     loaders = trainer.train_dataloader
     if loaders is None:
         return None
@@ -176,7 +179,18 @@ def _train_iterable(trainer) -> Optional[Iterable]:
 
         combined = CombinedLoader(loaders, mode="max_size_cycle")
         return (item[0] for item in combined)
-    return loaders
+    return _independent(loaders)
+
+
+def _independent(loader: Iterable) -> Iterable:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not (isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers > 0):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
+                          drop_last=loader.drop_last)
+    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn)
 
 
 def _metric_state(metric: Metric) -> Dict[str, Any]:
@@ -191,13 +205,17 @@ def _metric_state(metric: Metric) -> Dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _preserved_state(pl_module: nn.Module, trainer):
-    """Restore RNG streams, BatchNorm statistics, torchmetrics states, train/eval modes and the module's log methods
+def preserved_state(pl_module: nn.Module, trainer, restore_batchnorm: bool = True, loader: Any = None):
+    """Restore RNG streams (the global ones, and the generators `loader` and its samplers draw from: a new iterator
+    of a shuffling DataLoader with `generator=` draws its permutation's seed from it, which would change the data
+    order of the epochs that follow), BatchNorm statistics (unless `restore_batchnorm` is False: BatchNormRefresh
+    keeps the statistics it estimated), torchmetrics states, train/eval modes and the module's log methods
     afterwards; drop logger writes in between."""
+    generators = {g: g.get_state() for g in _generators_of(loader)}
     modes = {m: m.training for m in pl_module.modules()}
     metrics = {m: _metric_state(m) for m in pl_module.modules() if isinstance(m, Metric)}
     norms: Dict[nn.Module, List[torch.Tensor]] = {}
-    for m in pl_module.modules():
+    for m in pl_module.modules() if restore_batchnorm else ():
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
             norms[m] = [b.detach().clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -215,6 +233,8 @@ def _preserved_state(pl_module: nn.Module, trainer):
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        for generator, state in generators.items():
+            generator.set_state(state)
         random.setstate(py_state)
         if np_state is not None:
             import numpy
@@ -239,6 +259,30 @@ def _preserved_state(pl_module: nn.Module, trainer):
             live = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
             for b, s in zip(live, saved):
                 b.copy_(s)
+
+
+def _generators_of(loader: Any) -> List[torch.Generator]:
+    """The torch Generators a DataLoader (or a Lightning CombinedLoader's wrapped ones) and its samplers draw from."""
+    found: List[torch.Generator] = []
+    pending = [loader]
+    while pending:
+        obj = pending.pop()
+        if obj is None:
+            continue
+        if isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+            continue
+        if isinstance(obj, dict):
+            pending.extend(obj.values())
+            continue
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+        for attr in ("sampler", "batch_sampler"):
+            inner = getattr(obj, attr, None)
+            if inner is not None and inner is not obj:
+                pending.append(inner)
+    return found
 
 
 def _numpy_state():
