@@ -6,7 +6,8 @@ Public entry points:
     from lightning_fp8 import FP8Conv1d, FP8Conv2d          # what convert_to_fp8 makes of nn.Conv1d / nn.Conv2d
     from lightning_fp8.fabric import FP8Precision          # Lightning Fabric
     from lightning_fp8.accelerate import FP8Accelerator    # Hugging Face Accelerate
-    from lightning_fp8.callbacks import FP8ScaleMonitor, FP8LayerFallback, FP8Calibration
+    from lightning_fp8.callbacks import FP8ScaleMonitor, FP8LayerFallback, FP8Calibration, BatchNormRefresh
+    from lightning_fp8 import refresh_batchnorm            # BatchNorm statistics for eval mode, any framework
     from lightning_fp8.optim import FP8AdamW
 
 Importing the package imports torch and no framework: the Lightning plugin and the callbacks (which import Lightning)
@@ -14,6 +15,7 @@ are loaded on first access (`lightning_fp8.FP8Precision`, `from lightning_fp8 im
 """
 import importlib as _importlib
 
+from lightning_fp8.engine.batchnorm_stats import refresh_batchnorm
 from lightning_fp8.conversion import (
     convert_to_fp8,
     fp8_layers,
@@ -45,6 +47,8 @@ __all__ = [
     "FP8ScaleMonitor",
     "FP8LayerFallback",
     "FP8Calibration",
+    "BatchNormRefresh",
+    "refresh_batchnorm",
     "FP8EmulationWarning",
     "FP8DivergenceError",
 ]
@@ -55,6 +59,7 @@ _LAZY = {
     "FP8ScaleMonitor": "lightning_fp8.callbacks",
     "FP8LayerFallback": "lightning_fp8.callbacks",
     "FP8Calibration": "lightning_fp8.callbacks",
+    "BatchNormRefresh": "lightning_fp8.callbacks",
 }
 
 

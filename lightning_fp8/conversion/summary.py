@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 
 from torch import nn
 
+from lightning_fp8.engine.batchnorm_stats import batchnorm_layers
 from lightning_fp8.conversion.convert import LayerPrecision, precision_map
 
 #: set on a module by lightning_fp8.distributed.PrepareFP8ModuleInput (conversion must not import distributed)
@@ -34,6 +35,11 @@ NAMES_PER_REASON = 4
 LEAVING_FP8 = ("The model stays converted after training; lightning_fp8.revert_fp8(model) turns its FP8 layers back "
                "into the original classes (same Parameters) for inference or export.")
 
+BATCHNORM_HINT = ("{n} BatchNorm layers: eval mode normalises with running statistics, which trail the weights at a "
+                  "constant or slowly decaying learning rate (in BF16 as much as in FP8) and can cost eval-mode "
+                  "accuracy; lightning_fp8.callbacks.BatchNormRefresh (or refresh_batchnorm) re-estimates them "
+                  "(docs/numerics.md, Eval-mode quality).")
+
 
 @dataclass(frozen=True)
 class ConversionSummary:
@@ -43,6 +49,8 @@ class ConversionSummary:
     fp8_prepared: List[str] = field(default_factory=list)
     #: how the recipe was chosen (recipe="auto": the device and why), shown after the counts
     note: Optional[str] = None
+    #: BatchNorm layers that keep running statistics (eval mode normalises with them)
+    batchnorm_layers: int = 0
 
     @property
     def linear_rows(self) -> List[LayerPrecision]:
@@ -149,6 +157,8 @@ class ConversionSummary:
             for reason, names in by_reason.items():
                 lines.append(f"    {_names(names)}: {reason}")
         lines.extend(self.tensor_parallel_lines())
+        if self.batchnorm_layers and not self.preview:
+            lines.append("  " + BATCHNORM_HINT.format(n=self.batchnorm_layers))
         if not self.preview:
             lines.append("  " + LEAVING_FP8)
         return "\n".join(lines)
@@ -210,7 +220,8 @@ def conversion_summary(model: nn.Module, note: Optional[str] = None) -> Conversi
         if any(p is not None for p in module._parameters.values()):
             types[type(module).__name__] += 1
     prepared = [fqn for fqn, module in model.named_modules() if PREPARED_ATTR in module.__dict__]
-    return ConversionSummary(precision_map(model), dict(types.most_common()), prepared, note)
+    return ConversionSummary(precision_map(model), dict(types.most_common()), prepared, note,
+                             len(batchnorm_layers(model)))
 
 
 def log_conversion_summary(

@@ -1,0 +1,230 @@
+"""BatchNorm running statistics for eval mode (issue 43): refresh_batchnorm re-estimates them exactly as a
+cumulative average with every other module in eval mode; watch_batchnorm_lag measures the lag; the BatchNormRefresh
+callback refreshes before validation, into checkpoints and at the end of fit without changing the training run, and
+the conversion summary points at it."""
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fp8 import BatchNormRefresh, FP8Precision, FP8Recipe, convert_to_fp8, fp8_layers, refresh_batchnorm
+from lightning_fp8.engine.batchnorm_stats import batchnorm_layers, mean_shift, watch_batchnorm_lag
+from lightning_fp8.conversion import conversion_summary
+
+
+def cnn(momentum: float = 0.1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16, momentum=momentum), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32, momentum=momentum), nn.ReLU(), nn.Dropout(0.5),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 32), nn.BatchNorm1d(32, momentum=momentum), nn.ReLU(),
+        nn.Linear(32, 16),
+    )
+
+
+def images(n: int = 96, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 8, 8, generator=g) * 2 + 0.5
+    y = (x.mean(dim=(1, 2, 3)) > 0.5).long() + 2 * (x[:, 0].mean(dim=(1, 2)) > x[:, 1].mean(dim=(1, 2))).long()
+    return x, y
+
+
+def test_refresh_is_the_cumulative_average_with_other_modules_in_eval_mode():
+    torch.manual_seed(0)
+    model = cnn()
+    x, _ = images()
+    batches = list(x.split(32))
+    model.train()
+    for b in batches:  # running statistics somewhere else, as after training
+        model(b * 3)
+    # expected: the first BatchNorm's input is the first convolution's output
+    conv = model[0]
+    outs = [conv(b).detach() for b in batches]
+    mean = torch.stack([o.mean(dim=(0, 2, 3)) for o in outs]).mean(0)
+    var = torch.stack([o.var(dim=(0, 2, 3), unbiased=True) for o in outs]).mean(0)
+    dropout_mode = model[6].training
+    result = refresh_batchnorm(model, batches)
+    assert result.batches == 3 and set(result.shift) == {"1", "4", "10"}
+    torch.testing.assert_close(model[1].running_mean, mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model[1].running_var, var, rtol=1e-5, atol=1e-6)
+    assert int(model[1].num_batches_tracked) == 3
+    assert all(m.momentum == 0.1 for m in batchnorm_layers(model).values())  # restored
+    assert model[6].training == dropout_mode and model.training
+    # the last BatchNorm's inputs came with dropout off (eval mode) and the BatchNorms before it normalising with
+    # batch statistics (as in training and torch's update_bn)
+    probe = copy.deepcopy(model)
+    probe.eval()
+    probe[1].train()
+    probe[4].train()
+    feats = [probe[:10](b).detach() for b in batches]
+    torch.testing.assert_close(model[10].running_mean, torch.stack([f.mean(0) for f in feats]).mean(0),
+                               rtol=1e-5, atol=1e-6)
+    # the shift reported is how far the old statistics were (the *3 inputs moved them far)
+    assert result.shift[result.worst] > 0.1
+
+
+def test_refresh_leaves_fp8_scaling_state_alone_and_keeps_old_statistics_without_batches():
+    torch.manual_seed(0)
+    model = convert_to_fp8(cnn(), FP8Recipe(keep_first_last_in_bf16=False))
+    x, _ = images()
+    model.train()
+    model(x[:32])
+    layers = fp8_layers(model)
+    assert layers
+    before = {n: copy.deepcopy(layer.fp8_meta.state_dict()) for n, layer in layers.items()}
+    stats = {n: m.running_mean.clone() for n, m in batchnorm_layers(model).items()}
+    with pytest.raises(ValueError, match="no batches"):
+        refresh_batchnorm(model, [])
+    assert all(torch.equal(stats[n], m.running_mean) for n, m in batchnorm_layers(model).items())
+    refresh_batchnorm(model, x.split(32))
+    for n, layer in layers.items():
+        after = layer.fp8_meta.state_dict()
+        assert all(torch.equal(before[n][k], after[k]) for k in before[n]), n
+
+
+def test_watch_batchnorm_lag_measures_the_running_mean_against_the_batch_before_the_update():
+    model = cnn()
+    bn = model[1]
+    bn.running_mean.fill_(1.0)
+    x, _ = images(32)
+    with watch_batchnorm_lag(model) as lag:
+        model.train()
+        out = model[0](x).detach()
+        model(x)
+    mean, var = out.mean(dim=(0, 2, 3)), out.var(dim=(0, 2, 3), unbiased=False)
+    assert lag["1"] == pytest.approx(mean_shift(torch.ones(16), mean, var, bn.eps), rel=1e-5)
+    assert set(lag) == {"1", "4", "10"}
+    with watch_batchnorm_lag(model) as lag:
+        model.eval()
+        model(x)
+    assert lag == {}  # eval mode: nothing to lag behind
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, momentum: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = cnn(momentum)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_acc", (self(x).argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)  # constant: the case the callback is for
+
+
+def fit(tmp_path, callbacks, plugins, momentum=0.1, max_epochs=3):
+    """Fit the classifier: `plugins` None is bf16-mixed."""
+    x, y = images(192)
+    train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32, shuffle=True,
+                       generator=torch.Generator().manual_seed(1))
+    val = DataLoader(TensorDataset(x[160:], y[160:]), batch_size=32)
+    module = Classifier(momentum)
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path),
+                        log_every_n_steps=1, callbacks=callbacks, plugins=plugins, enable_progress_bar=False,
+                        precision=None if plugins else "bf16-mixed",
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, train, val)
+    return module, trainer
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_callback_refreshes_checkpoints_and_the_final_model_without_changing_training(tmp_path, precision):
+    def plugin():
+        return [FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))] if precision == "fp8" else None
+
+    refresh = BatchNormRefresh()
+    every_step = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=2, save_top_k=-1)
+    on_val = ModelCheckpoint(dirpath=tmp_path / "val", monitor="val_acc", mode="max", save_top_k=-1)
+    module, trainer = fit(tmp_path / "a", [refresh, every_step, on_val], plugin(), momentum=0.01)
+    plain, _ = fit(tmp_path / "b", [], plugin(), momentum=0.01)
+    # no backward, no optimizer step, RNG streams restored: the training run is the one without the callback
+    for (name, p), q in zip(module.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    # at the end of fit: a cumulative average over the 5 training batches (num_batches_tracked counts them), not
+    # the lagging momentum-0.01 average the plain run keeps
+    final = batchnorm_layers(module)
+    assert all(int(m.num_batches_tracked) == 5 for m in final.values())
+    assert all(int(m.num_batches_tracked) == 15 for m in batchnorm_layers(plain).values())
+    assert refresh.last_refresh.batches == 5 and refresh.last_refresh.shift[refresh.last_refresh.worst] > 0
+    # checkpoints saved between validations (every 2 steps) and after validation both hold refreshed statistics
+    step_ckpts = sorted((tmp_path / "steps").glob("*.ckpt"))
+    val_ckpts = sorted((tmp_path / "val").glob("*.ckpt"))
+    assert len(step_ckpts) >= 3 and len(val_ckpts) == 3
+    for path in step_ckpts + val_ckpts:
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert int(state["model.1.num_batches_tracked"]) == 5, path.name
+    # the lag was logged while training
+    metrics = (tmp_path / "a").rglob("metrics.csv")
+    header = next(iter(metrics)).read_text().splitlines()[0]
+    assert "batchnorm/lag" in header and "batchnorm/lag_layer_mean" in header
+    assert refresh.last_lag and set(refresh.last_lag) == set(final)
+
+
+def test_callback_validation_sees_refreshed_statistics(tmp_path):
+    """Validation after a refresh normalises with current statistics: its accuracy is the accuracy the model scores
+    with statistics re-estimated by hand at the same step, and differs from the lagging run's."""
+    refresh = BatchNormRefresh(before_checkpoint=False, at_fit_end=False)
+    module, trainer = fit(tmp_path, [refresh], [FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))],
+                          momentum=0.01, max_epochs=1)
+    assert refresh.last_refresh is not None and refresh.last_refresh.batches == 5
+    x, y = images(192)
+    module.eval()
+    with trainer.precision_plugin.val_step_context():
+        acc = (module(x[160:]).argmax(-1) == y[160:]).float().mean()
+    assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(float(acc), abs=1e-6)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="num_batches"):
+        BatchNormRefresh(num_batches=0)
+    with pytest.raises(ValueError, match="check_every"):
+        BatchNormRefresh(check_every=-1)
+
+
+def test_conversion_summary_points_batchnorm_models_at_the_refresh():
+    model = convert_to_fp8(cnn())
+    assert "3 BatchNorm layers" in conversion_summary(model).text()
+    assert "BatchNormRefresh" in conversion_summary(model).text()
+    no_bn = convert_to_fp8(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+    assert "BatchNorm" not in conversion_summary(no_bn).text()
+
+
+class CountBatches(L.Callback):
+    def __init__(self):
+        self.per_epoch = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.per_epoch[trainer.current_epoch] = self.per_epoch.get(trainer.current_epoch, 0) + 1
+
+
+def test_mid_epoch_refresh_keeps_the_epoch_of_a_persistent_worker_loader(tmp_path):
+    """Validation in the middle of the epoch refreshes from a loader whose workers persist: a second iter() of such
+    a loader resets the epoch's own iterator, so the refresh reads a single-process twin and every epoch still sees
+    all its batches."""
+    x, y = images(192)
+    train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32, shuffle=True, num_workers=1,
+                       persistent_workers=True)
+    val = DataLoader(TensorDataset(x[160:], y[160:]), batch_size=32)
+    refresh, count = BatchNormRefresh(), CountBatches()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        val_check_interval=2, callbacks=[refresh, count], enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))],
+                        default_root_dir=tmp_path)
+    trainer.fit(Classifier(0.1), train, val)
+    assert count.per_epoch == {0: 5, 1: 5}
+    assert refresh.last_refresh is not None and refresh.last_refresh.batches == 5
