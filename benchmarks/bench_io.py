@@ -1,12 +1,13 @@
 """What every benchmark's result starts with, the machine it ran on, and how a result is written: JSON (the numbers)
-and Markdown (the table docs cite), side by side under benchmarks/results/."""
+and Markdown (the table docs cite), side by side under benchmarks/results/. Also the quality benchmarks' constant-LR
+variant (`--schedule constant`): their own warmup, then the LR held instead of decayed."""
 from __future__ import annotations
 
 import datetime
 import json
 import os
 import platform
-from typing import Callable
+from typing import Callable, List
 
 import torch
 
@@ -36,3 +37,28 @@ def write_results(out: str, result: dict, markdown: Callable[[dict], str]) -> No
     with open(out + ".md", "w") as f:
         f.write(text)
     print(text)
+
+
+#: the learning-rate schedules a quality benchmark offers: "cosine" (or the script's own decay) is each one's default
+SCHEDULES: List[str] = ["cosine", "constant"]
+
+
+def hold_after_warmup(schedule: Callable[[int], float], warmup: int) -> Callable[[int], float]:
+    """An LR multiplier that is `schedule`'s during its `warmup` steps and 1 after them (no decay)."""
+    return lambda step: schedule(step) if step < warmup else 1.0
+
+
+def constant_lr(module):
+    """Hold a CharGPTModule's (lightning_fp8/demo/module.py) LR constant after its warmup instead of decaying it to
+    zero: everything else about the run is unchanged. Returns `module`."""
+    configure = module.configure_optimizers
+
+    def configure_constant():
+        optimizers, schedulers = configure()
+        for config in schedulers:
+            scheduler = config["scheduler"]
+            scheduler.lr_lambdas = [hold_after_warmup(f, module.warmup_steps) for f in scheduler.lr_lambdas]
+        return optimizers, schedulers
+
+    module.configure_optimizers = configure_constant
+    return module

@@ -1,9 +1,12 @@
 """Convergence benchmark: char-GPT on the embedded corpus, FP8Precision vs precision="bf16-mixed".
 
 Same model, seed, data order and fixed validation set for both; LR warms up then decays to zero (docs/measuring.md:
-constant-LR comparisons of short runs are noise). Several seeds, so the gap is reported next to the seed spread.
+constant-LR comparisons of short runs are noise); `--schedule constant` holds it after the same warmup instead. Several
+seeds, so the gap is reported next to the seed spread. Reported per run: the final validation loss (Lightning's
+validation loop: eval mode, no gradients, FP8 forward as FP8Precision runs it, on held-out text) beside the final
+training loss (mean of the last 20 steps); the machine (bench_io.machine(): CPU, threads, BF16 hardware or not).
 
-    python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default]
+    python benchmarks/convergence.py --seeds 0 1 2 --steps 300 [--preset default] [--schedule constant]
     python benchmarks/convergence.py --recipes rowwise blockwise --out benchmarks/results/convergence_finegrained
     python benchmarks/convergence.py --recipes mxfp8 nvfp4 --out benchmarks/results/convergence_blackwell
 
@@ -20,15 +23,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import warnings
 
 import torch
 
+from lightning_fp8.demo import run as demo_run
 from lightning_fp8.demo.data import load_corpus
 from lightning_fp8.demo.run import build_parser, train_once
+from bench_io import SCHEDULES, constant_lr, machine
 
 
 def main() -> None:
@@ -41,7 +45,13 @@ def main() -> None:
     parser.add_argument("--bf16-from", default=None,
                         help="with --recipes: an earlier --recipes result (.json) of the same configuration whose BF16 "
                              "runs are reused, seed by seed")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="cosine: warmup then decay to zero (default); constant: the same warmup, then held")
     args = parser.parse_args()
+    args.host = _machine()  # before the runs: its load average is the one they started under
+    if args.schedule == "constant":
+        module_class = demo_run.CharGPTModule
+        demo_run.CharGPTModule = lambda *a, **k: constant_lr(module_class(*a, **k))  # what train_once builds
     if args.recipes:
         return compare_recipes(args)
     warnings.simplefilter("ignore")
@@ -60,6 +70,8 @@ def main() -> None:
             "bf16_val_loss": bf16.final_val_loss,
             "fp8_val_loss": fp8.final_val_loss,
             "relative_gap": gap,
+            "bf16_train_loss": bf16.final_train_loss,
+            "fp8_train_loss": fp8.final_train_loss,
             "fp8_skipped_steps": fp8.plugin.skipped_steps,
             "fp8_rollbacks": fp8.plugin.rollbacks,
             "bf16_seconds": bf16.seconds,
@@ -71,8 +83,8 @@ def main() -> None:
     summary = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs emulated)",
-        "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")},
+        "machine": args.host,
+        "config": _config(args),
         "runs": rows,
         "mean_relative_gap": statistics.mean(gaps),
         "sd_relative_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
@@ -81,11 +93,14 @@ def main() -> None:
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=2)
     with open(args.out + ".md", "w") as f:
-        f.write(f"# Convergence: FP8Precision vs bf16-mixed ({summary['date']}, torch {summary['torch']}, {summary['machine']})\n\n")
+        f.write(f"# Convergence: FP8Precision vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
+                f"{_machine_text(summary['machine'])})\n\n")
         f.write(f"config: {summary['config']}\n\n")
-        f.write("| seed | bf16 val loss | fp8 val loss | relative gap | fp8 skips | fp8 rollbacks |\n|---|---|---|---|---|---|\n")
+        f.write("| seed | bf16 val loss | fp8 val loss | relative gap | bf16 train loss | fp8 train loss | fp8 skips | "
+                "fp8 rollbacks |\n|---|---|---|---|---|---|---|---|\n")
         for r in rows:
-            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {r['fp8_val_loss']:.4f} | {r['relative_gap']:+.2%} | {r['fp8_skipped_steps']} | {r['fp8_rollbacks']} |\n")
+            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {r['fp8_val_loss']:.4f} | {r['relative_gap']:+.2%} | "
+                    f"{r['bf16_train_loss']:.4f} | {r['fp8_train_loss']:.4f} | {r['fp8_skipped_steps']} | {r['fp8_rollbacks']} |\n")
         f.write(f"\nmean gap {summary['mean_relative_gap']:+.2%} (sd {summary['sd_relative_gap']:.2%} over seeds); "
                 f"bf16 seed-to-seed spread (relative sd of val loss) {summary['bf16_seed_spread_relative_sd']:.2%}\n")
     print(open(args.out + ".md").read())
@@ -105,16 +120,18 @@ def compare_recipes(args) -> None:
         args.recipe = None
         if reused is not None:
             row = {"seed": seed, "bf16_val_loss": reused[seed]["bf16_val_loss"], "bf16_seconds": reused[seed]["bf16_seconds"],
-                   "bf16_from": args.bf16_from}
+                   "bf16_train_loss": reused[seed].get("bf16_train_loss"), "bf16_from": args.bf16_from}
         else:
             bf16 = train_once("bf16", corpus, args, fp8=False)
-            row = {"seed": seed, "bf16_val_loss": bf16.final_val_loss, "bf16_seconds": bf16.seconds}
+            row = {"seed": seed, "bf16_val_loss": bf16.final_val_loss, "bf16_seconds": bf16.seconds,
+                   "bf16_train_loss": bf16.final_train_loss}
         for scaling in args.recipes:
             args.recipe = scaling
             fp8 = train_once(scaling, corpus, args, fp8=True)
             row[scaling] = {
                 "val_loss": fp8.final_val_loss,
                 "relative_gap": (fp8.final_val_loss - row["bf16_val_loss"]) / row["bf16_val_loss"],
+                "train_loss": fp8.final_train_loss,
                 "skipped_steps": fp8.plugin.skipped_steps,
                 "rollbacks": fp8.plugin.rollbacks,
                 "seconds": fp8.seconds,
@@ -125,8 +142,8 @@ def compare_recipes(args) -> None:
     summary = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs emulated)",
-        "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")},
+        "machine": args.host,
+        "config": _config(args),
         "recipes": args.recipes,
         "bf16_from": args.bf16_from,
         "runs": rows,
@@ -140,12 +157,14 @@ def compare_recipes(args) -> None:
         json.dump(summary, f, indent=2)
     with open(args.out + ".md", "w") as f:
         f.write(f"# Convergence: FP8 recipes {', '.join(args.recipes)} vs bf16-mixed ({summary['date']}, torch {summary['torch']}, "
-                f"{summary['machine']})\n\nconfig: {summary['config']}\n\n")
-        f.write("| seed | bf16 val loss | " + " | ".join(f"{s} val loss | {s} gap" for s in args.recipes) + " |\n")
-        f.write("|---|---|" + "---|---|" * len(args.recipes) + "\n")
+                f"{_machine_text(summary['machine'])})\n\nconfig: {summary['config']}\n\n")
+        f.write("| seed | bf16 val loss | bf16 train loss | "
+                + " | ".join(f"{s} val loss | {s} gap | {s} train loss" for s in args.recipes) + " |\n")
+        f.write("|---|---|---|" + "---|---|---|" * len(args.recipes) + "\n")
         for r in rows:
-            cells = " | ".join(f"{r[s]['val_loss']:.4f} | {r[s]['relative_gap']:+.2%}" for s in args.recipes)
-            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {cells} |\n")
+            cells = " | ".join(f"{r[s]['val_loss']:.4f} | {r[s]['relative_gap']:+.2%} | {r[s]['train_loss']:.4f}"
+                               for s in args.recipes)
+            f.write(f"| {r['seed']} | {r['bf16_val_loss']:.4f} | {_loss(r['bf16_train_loss'])} | {cells} |\n")
         f.write("\n")
         for scaling in args.recipes:
             g = summary["gaps"][scaling]
@@ -156,12 +175,25 @@ def compare_recipes(args) -> None:
             f.write(f"- the BF16 runs are those of `{args.bf16_from}` (same configuration and seeds; --bf16-from)\n")
         f.write(f"- wall time per run (s), seeds {[r['seed'] for r in rows]}: bf16 {[round(r['bf16_seconds']) for r in rows]}"
                 + "".join(f", {s} {[round(r[s]['seconds']) for r in rows]}" for s in args.recipes)
-                + f" ({_cpu_name()}; shared with other jobs, so times are indicative)\n")
+                + f" ({summary['machine']['cpu']}; shared with other jobs, so times are indicative)\n")
     print(open(args.out + ".md").read())
 
 
 def _config(args) -> dict:
-    return {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset", "val_batches")}
+    return {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr", "preset",
+                                          "val_batches", "schedule")}
+
+
+def _machine() -> dict:
+    return machine(gemms="GPU" if torch.cuda.is_available() else "CPU (FP8 GEMMs emulated)")
+
+
+def _machine_text(m: dict) -> str:
+    return f"{m['cpu']}, {m['threads']} threads, BF16 hardware: {m['bf16_hardware']}, {m['gemms']}"
+
+
+def _loss(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _reused_bf16_runs(args):
@@ -170,7 +202,7 @@ def _reused_bf16_runs(args):
         return None
     with open(args.bf16_from) as f:
         earlier = json.load(f)
-    if earlier.get("config") != _config(args):
+    if dict({"schedule": "cosine"}, **earlier.get("config", {})) != _config(args):  # results before --schedule
         raise SystemExit(f"--bf16-from {args.bf16_from}: its configuration {earlier.get('config')} is not this run's "
                          f"{_config(args)}")
     runs = {r["seed"]: r for r in earlier["runs"]}
@@ -178,13 +210,6 @@ def _reused_bf16_runs(args):
     if missing:
         raise SystemExit(f"--bf16-from {args.bf16_from} has no BF16 run for seeds {missing}")
     return runs
-
-
-def _cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -1,25 +1,31 @@
 """Unchanged scripts under the launcher: FP8 vs BF16 final evaluation loss, same seed and data, 1 and 2 CPU processes.
 
-    python benchmarks/dropin_parity.py [--steps 150] [--out benchmarks/results/dropin_parity.json]
+    python benchmarks/dropin_parity.py [--steps 150] [--schedule constant] [--out benchmarks/results/dropin_parity.json]
 
 Runs examples/accelerate_unchanged.py (a plain `accelerate.Accelerator()` loop) and examples/hf_trainer.py (a plain
 transformers `Trainer`) through `python -m lightning_fp8.accelerate launch --mixed_precision {fp8,bf16}`, with
-learning rates that decay linearly to zero, and records each run's final evaluation loss and the FP8 conversion
-summary line. One seed: the gap is a check that the FP8 run trains like the BF16 one, not a parity claim (see
-docs/measuring.md). On a CPU without BF16 hardware the BF16 runs are slow (software BF16); times are not compared.
+learning rates that decay linearly to zero, and records each run's final evaluation loss (the scripts' own: eval mode,
+no gradients, on the held-out last 10% of the text) and the FP8 conversion summary line; for hf_trainer also its
+training loss (the Trainer's logged mean over the last 10% of the steps; accelerate_unchanged prints none). The
+machine (bench_io.machine(): CPU, threads, BF16 hardware or not) heads the result. `--schedule constant` runs
+hf_trainer with a constant LR after the same warmup (constant_with_warmup) and skips accelerate_unchanged, whose linear
+schedule is fixed in the example. One seed: the gap is a check that the FP8 run trains like the BF16 one, not a parity
+claim (see docs/measuring.md). On a CPU without BF16 hardware the BF16 runs are slow (software BF16); times are not
+compared.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_io import machine  # noqa: E402
 
 
 def launch(script_args, precision: str, processes: int) -> dict:
@@ -37,28 +43,36 @@ def launch(script_args, precision: str, processes: int) -> dict:
     out = proc.stdout + proc.stderr
     loss = re.search(r"eval_loss=([0-9.]+)", out)
     summary = re.search(r"lightning_fp8: (\d+ of \d+ linear layers run in FP8)", out)
+    train_losses = re.findall(r"'loss': '?([0-9.eE+-]+)", out)  # transformers' PrinterCallback (hf_trainer)
     if proc.returncode != 0 or loss is None:
         raise RuntimeError(f"{cmd + script_args} failed ({proc.returncode}):\n{out[-3000:]}")
-    return {"eval_loss": float(loss.group(1)), "fp8_layers": summary.group(1) if summary else None,
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {"eval_loss": float(loss.group(1)), "train_loss": float(train_losses[-1]) if train_losses else None,
+            "fp8_layers": summary.group(1) if summary else None, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "dropin_parity.json"))
+    p.add_argument("--schedule", choices=["linear", "constant"], default="linear",
+                   help="linear: warmup then decay to zero (default); constant: hf_trainer only, the same warmup then held")
     args = p.parse_args()
     scripts = {
         "accelerate_unchanged": ["examples/accelerate_unchanged.py", "--steps", str(args.steps), "--max-chars", "200000"],
         "hf_trainer": ["examples/hf_trainer.py", "--output_dir", "/tmp/lightning_fp8_dropin_parity", "--max_steps",
                        str(args.steps), "--per_device_train_batch_size", "8", "--learning_rate", "3e-3",
-                       "--warmup_steps", str(args.steps // 10), "--lr_scheduler_type", "linear", "--save_strategy", "no",
+                       "--warmup_steps", str(args.steps // 10), "--lr_scheduler_type",
+                       "constant_with_warmup" if args.schedule == "constant" else "linear", "--save_strategy", "no",
+                       "--logging_steps", str(max(1, args.steps // 10)),
                        "--report_to", "none", "--disable_tqdm", "true", "--max_chars", "200000", "--seed", "0"],
     }
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    if args.schedule == "constant":
+        del scripts["accelerate_unchanged"]  # its linear schedule is fixed in the example
+    host = machine()
+    lr = "LR constant after warmup" if args.schedule == "constant" else "LR decaying linearly to zero"
     results = {"what": "final eval loss, FP8 vs BF16, unchanged scripts under python -m lightning_fp8.accelerate "
-                       "launch, same seed, LR decaying linearly to zero", "steps": args.steps, "cpu": cpu, "runs": {}}
+                       f"launch, same seed, {lr}", "steps": args.steps, "schedule": args.schedule, "cpu": host["cpu"],
+               "machine": host, "runs": {}}
     for name, script_args in scripts.items():
         for processes in (1, 2):
             row = {precision: launch(script_args, precision, processes) for precision in ("fp8", "bf16")}

@@ -1,9 +1,12 @@
 """Loss parity of FP8 gradient communication vs BF16 gradient communication: char-GPT on the standard library's text,
 DDP on 2 CPU ranks, FP8 compute (FP8Precision) in both, 3 seeds, the learning rate decaying to zero
-(docs/measuring.md: short constant-LR runs are noise).
+(docs/measuring.md: short constant-LR runs are noise; `--schedule constant` holds it after the same warmup instead).
+Reported per run: the final validation loss (Lightning's validation loop: eval mode, no gradients, on held-out text)
+beside the final training loss (rank 0's, mean of the last 20 steps); the machine (bench_io.machine(): CPU, threads,
+BF16 hardware or not).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 benchmarks/fp8_comm_parity.py \\
-        [--seeds 0 1 2 --steps 300 --d-model 128 --layers 2 --context 32 --batch-size 8]
+        [--seeds 0 1 2 --steps 300 --d-model 128 --layers 2 --context 32 --batch-size 8] [--schedule constant]
 
 bf16: DDP all-reduces the gradients in BF16 (a comm hook equivalent to torch's bf16_compress_hook, which refuses
 CPU). fp8: FP8Precision(gradient_communication="fp8"), i.e. lightning_fp8's fp8_comm_hook with its defaults.
@@ -13,7 +16,6 @@ import argparse
 import datetime
 import json
 import logging
-import platform
 import statistics
 import time
 import warnings
@@ -29,6 +31,7 @@ from lightning_fp8.demo.data import batches, fixed_val_batches, load_corpus
 from lightning_fp8.demo.gpt import GPTConfig
 from lightning_fp8.demo.module import CharGPTModule
 from lightning_fp8.distributed import bf16_comm_hook
+from bench_io import SCHEDULES, constant_lr, machine
 
 
 class BF16Communication(L.Callback):
@@ -49,6 +52,8 @@ def run(variant, seed, corpus, args):
     cfg = GPTConfig(vocab_size=corpus.vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
                     n_heads=args.heads)
     module = CharGPTModule(cfg, lr=args.lr, max_steps=args.steps)
+    if args.schedule == "constant":
+        constant_lr(module)
     plugin = FP8Precision(gradient_communication="fp8" if variant == "fp8" else "bf16")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=DDPStrategy(), plugins=[plugin], max_steps=args.steps,
@@ -61,7 +66,7 @@ def run(variant, seed, corpus, args):
     val = DataLoader(fixed_val_batches(corpus.val, args.batch_size, args.context, args.val_batches), batch_size=None)
     start = time.perf_counter()
     trainer.fit(module, train, val)
-    return {"val_loss": module.val_losses[-1], "train_loss_last20": sum(module.train_losses[-20:]) / 20,
+    return {"val_loss": module.val_losses[-1], "train_loss_last20": sum(module.train_losses[-20:]) / len(module.train_losses[-20:]),
             "skipped_steps": plugin.skipped_steps, "rollbacks": plugin.rollbacks, "seconds": time.perf_counter() - start}
 
 
@@ -77,7 +82,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/fp8_comm_parity")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="cosine: warmup then decay to zero (default); constant: the same warmup, then held")
     args = parser.parse_args()
+    host = machine(ranks="2 gloo ranks (FP8 GEMMs emulated); shared with other jobs")
     warnings.simplefilter("ignore")
     for name in ("lightning.pytorch", "lightning.fabric", "lightning", "lightning_fp8"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -92,20 +100,21 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
         if dist.get_rank() == 0:
-            write(args, rows)
+            write(args, rows, host)
     finally:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def write(args, rows):
+def write(args, rows, host):
     gaps = [r["relative_gap"] for r in rows]
     bf16 = [r["bf16"]["val_loss"] for r in rows]
     fp8 = [r["fp8"]["val_loss"] for r in rows]
     summary = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "machine": f"{platform.machine()} CPU, 2 gloo ranks, 1 thread each (FP8 GEMMs emulated); shared with other jobs",
-        "config": {k: getattr(args, k) for k in ("steps", "d_model", "layers", "heads", "context", "batch_size", "lr", "val_batches")},
+        "machine": host,
+        "config": {k: getattr(args, k) for k in ("steps", "d_model", "layers", "heads", "context", "batch_size", "lr", "val_batches",
+                                                 "schedule")},
         "runs": rows, "mean_relative_gap": statistics.mean(gaps),
         "sd_relative_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
         "bf16_seed_spread_relative_sd": statistics.stdev(bf16) / statistics.mean(bf16) if len(bf16) > 1 else 0.0,
@@ -114,12 +123,17 @@ def write(args, rows):
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=2)
     with open(args.out + ".md", "w") as f:
+        m = summary["machine"]
         f.write(f"# FP8 vs BF16 gradient communication, DDP, loss parity ({summary['date']}, torch {summary['torch']}, "
-                f"{summary['machine']})\n\nProduced by `benchmarks/fp8_comm_parity.py`; config {summary['config']}; "
-                "FP8 compute (FP8Precision defaults) in both; LR warm-up then cosine decay to zero.\n\n")
-        f.write("| seed | BF16 comm val loss | FP8 comm val loss | relative gap | FP8 comm skips / rollbacks |\n|---|---|---|---|---|\n")
+                f"{m['cpu']}, {m['threads']} thread(s) per rank, BF16 hardware: {m['bf16_hardware']}, {m['ranks']})\n\n"
+                f"Produced by `benchmarks/fp8_comm_parity.py`; config {summary['config']}; FP8 compute (FP8Precision "
+                "defaults) in both; LR warm-up then "
+                f"{'constant' if args.schedule == 'constant' else 'cosine decay to zero'}.\n\n")
+        f.write("| seed | BF16 comm val loss | FP8 comm val loss | relative gap | BF16 / FP8 comm train loss | "
+                "FP8 comm skips / rollbacks |\n|---|---|---|---|---|---|\n")
         for r in rows:
             f.write(f"| {r['seed']} | {r['bf16']['val_loss']:.4f} | {r['fp8']['val_loss']:.4f} | {r['relative_gap']:+.3%} | "
+                    f"{r['bf16']['train_loss_last20']:.4f} / {r['fp8']['train_loss_last20']:.4f} | "
                     f"{r['fp8']['skipped_steps']} / {r['fp8']['rollbacks']} |\n")
         f.write(f"\nmean gap {summary['mean_relative_gap']:+.3%} (sd {summary['sd_relative_gap']:.3%} over seeds); seed-to-seed "
                 f"spread (relative sd of the val loss): BF16 comm {summary['bf16_seed_spread_relative_sd']:.2%}, "

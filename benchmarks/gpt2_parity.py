@@ -4,9 +4,12 @@ The demo's setup (lightning_fp8/demo: the CPython standard-library corpus, chara
 d_model 128, 2 layers, 4 heads, AdamW 3e-3 with warmup and cosine decay to zero, a fixed validation set), with the
 model replaced by a GPT-2 built from a config (no download). Same seed, data order and validation set for both
 precisions; several seeds, so the FP8 - BF16 gap is read against the seed-to-seed spread of BF16 itself. The LR decays
-to zero because constant-LR comparisons of short runs are noise (docs/measuring.md). Not a timing benchmark.
+to zero because constant-LR comparisons of short runs are noise (docs/measuring.md); `--schedule constant` holds it
+after the same warmup instead. Reported per run: the final validation loss (Lightning's validation loop: eval mode, no
+gradients, FP8 forward as FP8Precision runs it, on held-out text) beside the final training loss (mean of the last 20
+steps); the machine (bench_io.machine(): CPU, threads, BF16 hardware or not). Not a timing benchmark.
 
-    python benchmarks/gpt2_parity.py --seeds 0 1 2 --steps 300
+    python benchmarks/gpt2_parity.py --seeds 0 1 2 --steps 300 [--schedule constant]
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import argparse
 import datetime
 import json
 import logging
-import platform
 import statistics
 import time
 import warnings
@@ -30,6 +32,7 @@ from lightning_fp8.demo.data import load_corpus, fixed_val_batches
 from lightning_fp8.demo.gpt import GPTConfig
 from lightning_fp8.demo.module import CharGPTModule
 from lightning_fp8.demo.run import _Batches, build_parser
+from bench_io import SCHEDULES, constant_lr, machine
 
 
 class GPT2Loss(nn.Module):
@@ -54,6 +57,8 @@ def train_once(corpus, args, fp8: bool):
                     n_heads=args.heads)
     module = CharGPTModule(cfg, lr=args.lr, max_steps=args.steps)  # its optimizer, schedule and loss bookkeeping
     module.model = GPT2Loss(corpus.vocab_size, args.context, args.d_model, args.layers, args.heads)
+    if args.schedule == "constant":
+        constant_lr(module)
     plugin = FP8Precision(preset=args.preset) if fp8 else None
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.steps, precision=None if fp8 else "bf16-mixed",
@@ -67,6 +72,7 @@ def train_once(corpus, args, fp8: bool):
     rows = precision_map(module) if fp8 else []
     return {
         "val_loss": module.val_losses[-1],
+        "train_loss": sum(module.train_losses[-20:]) / len(module.train_losses[-20:]),
         "seconds": time.perf_counter() - start,
         "skipped_steps": plugin.skipped_steps if fp8 else None,
         "rollbacks": plugin.rollbacks if fp8 else None,
@@ -79,6 +85,8 @@ def main() -> None:
     parser = build_parser(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/gpt2_parity")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="cosine: warmup then decay to zero (default); constant: the same warmup, then held")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
@@ -86,6 +94,7 @@ def main() -> None:
     import transformers
 
     corpus = load_corpus(args.data)
+    host = machine(gemms="CPU (FP8 GEMMs emulated: real FP8 casts, float32 products)")
     runs = []
     for seed in args.seeds:
         args.seed = seed
@@ -101,10 +110,9 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU (FP8 GEMMs "
-                   "emulated: real FP8 casts, float32 products)",
+        "machine": host,
         "config": {k: getattr(args, k) for k in ("steps", "batch_size", "context", "d_model", "layers", "heads", "lr",
-                                                   "preset", "val_batches")},
+                                                   "preset", "val_batches", "schedule")},
         "runs": runs,
         "mean_relative_gap": statistics.mean(gaps),
         "sd_relative_gap": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
@@ -119,10 +127,11 @@ def main() -> None:
 
 
 def markdown(result) -> str:
-    fp8 = result["runs"][0]["fp8"]
+    fp8, m = result["runs"][0]["fp8"], result["machine"]
     lines = [
         f"# GPT-2 (transformers GPT2LMHeadModel) loss parity: FP8Precision vs bf16-mixed ({result['date']}, "
-        f"torch {result['torch']}, transformers {result['transformers']}, {result['machine']})",
+        f"torch {result['torch']}, transformers {result['transformers']}, {m['cpu']}, {m['threads']} threads, "
+        f"BF16 hardware: {m['bf16_hardware']}, {m['gemms']})",
         "",
         f"Written by `python benchmarks/gpt2_parity.py`. config: {result['config']}",
         "",
@@ -130,12 +139,13 @@ def markdown(result) -> str:
         "",
         "Kept in BF16: " + "; ".join(f"{k}: {v}" for k, v in fp8["bf16_layers"].items()),
         "",
-        "| seed | bf16 val loss | fp8 val loss | relative gap | fp8 skips | fp8 rollbacks |",
-        "|---|---|---|---|---|---|",
+        "| seed | bf16 val loss | fp8 val loss | relative gap | bf16 train loss | fp8 train loss | fp8 skips | fp8 rollbacks |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         lines.append(f"| {r['seed']} | {r['bf16']['val_loss']:.4f} | {r['fp8']['val_loss']:.4f} | "
-                     f"{r['relative_gap']:+.2%} | {r['fp8']['skipped_steps']} | {r['fp8']['rollbacks']} |")
+                     f"{r['relative_gap']:+.2%} | {r['bf16']['train_loss']:.4f} | {r['fp8']['train_loss']:.4f} | "
+                     f"{r['fp8']['skipped_steps']} | {r['fp8']['rollbacks']} |")
     lines += [
         "",
         f"mean gap {result['mean_relative_gap']:+.2%} (sd {result['sd_relative_gap']:.2%} over seeds); seed-to-seed "

@@ -1,7 +1,7 @@
 """Mixture-of-experts in FP8: the grouped GEMMs' accuracy, a Qwen3-30B-A3B MoE layer step's kernels and the roofline
 model's prediction for it, and a small Mixtral trained in FP8 beside bf16-mixed.
 
-    python benchmarks/moe.py [--seeds 0 1 2] [--steps 200] [--out benchmarks/results/moe]
+    python benchmarks/moe.py [--seeds 0 1 2] [--steps 200] [--schedule constant] [--out benchmarks/results/moe]
 
 1. SQNR (CPU): the three grouped GEMMs of an experts projection (forward, input gradient, weight gradient) against
    float32, with 16 experts routed unevenly (one empty), and the same data through one dense rowwise FP8 layer per
@@ -14,8 +14,11 @@ model's prediction for it, and a small Mixtral trained in FP8 beside bf16-mixed.
    The routing (sort, gathers, the weighted sum) is the same in both and left out.
 3. Training (CPU): a Mixtral of 2 layers, hidden 64, 4 experts, top-2, expert intermediate 64, on the text of
    CPython's standard library (the demo's corpus, characters), batch 8 x 64, AdamW lr 3e-3 with 20 warmup steps and
-   cosine decay to zero, under a real Lightning Trainer: FP8Precision() vs precision="bf16-mixed", the same
-   initialisation and data order per seed; validation loss in eval mode on a fixed held-out set (docs/measuring.md).
+   cosine decay to zero (`--schedule constant`: the same warmup, then held), under a real Lightning Trainer:
+   FP8Precision() vs precision="bf16-mixed", the same initialisation and data order per seed; validation loss in eval
+   mode without gradients on a fixed held-out set (docs/measuring.md), beside the training losses (every 10th step and
+   the mean of the last 20).
+The machine (bench_io.machine(): CPU, threads, BF16 hardware or not) heads the result.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 warnings.simplefilter("ignore")
 
 from lightning_fp8 import FP8Linear, FP8Recipe  # noqa: E402
-from bench_io import machine, write_results  # noqa: E402
+from bench_io import SCHEDULES, hold_after_warmup, machine, write_results  # noqa: E402
 
 
 # -- 1. SQNR ------------------------------------------------------------------------------------------------------------
@@ -152,7 +155,7 @@ def layer_kernels() -> dict:
 
 
 # -- 3. training --------------------------------------------------------------------------------------------------------
-def training(seeds, steps: int) -> dict:
+def training(seeds, steps: int, schedule_name: str = "cosine") -> dict:
     import lightning as L
     import transformers
 
@@ -187,6 +190,8 @@ def training(seeds, steps: int) -> dict:
             def schedule(step):
                 return (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (steps - warm)))
 
+            if schedule_name == "constant":
+                schedule = hold_after_warmup(schedule, warm)
             return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}]
 
     def evaluate(module, fp8):
@@ -211,7 +216,9 @@ def training(seeds, steps: int) -> dict:
             trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
             seconds = time.perf_counter() - start
             runs.setdefault(variant, []).append({"seed": seed, "val_loss": evaluate(module, variant == "fp8"),
-                                                 "train_losses": module.losses[::10], "seconds": seconds})
+                                                 "train_losses": module.losses[::10],
+                                                 "train_loss_last20": statistics.mean(module.losses[-20:]),
+                                                 "seconds": seconds})
             print(variant, seed, runs[variant][-1]["val_loss"], f"{seconds:.0f} s", flush=True)
     summary = {}
     for variant, rs in runs.items():
@@ -221,7 +228,8 @@ def training(seeds, steps: int) -> dict:
     summary["paired_gap"] = {"mean": statistics.mean(gaps), "sd": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
                              "relative": statistics.mean(gaps) / summary["bf16-mixed"]["mean"]}
     return {"config": {"hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "steps": steps, "batch": [8, 64],
-                       "lr": 3e-3, "schedule": "20 warmup, cosine to 0"}, "runs": runs, "summary": summary}
+                       "lr": 3e-3, "schedule": "20 warmup, " + ("then constant" if schedule_name == "constant" else "cosine to 0")},
+            "runs": runs, "summary": summary}
 
 
 # -- report -------------------------------------------------------------------------------------------------------------
@@ -262,10 +270,12 @@ def markdown(result: dict) -> str:
                   f"{c['layers']} layers, hidden {c['hidden']}, {c['experts']} experts top-{c['top_k']}, {c['steps']} "
                   f"steps of {c['batch'][0]} x {c['batch'][1]} characters, AdamW lr {c['lr']} ({c['schedule']}); "
                   "validation loss in eval mode on a fixed held-out set.", "",
-                  "| seed | bf16-mixed val loss | FP8 val loss | FP8 - bf16 | bf16 s | FP8 s |", "|---|---|---|---|---|---|"]
+                  "| seed | bf16-mixed val loss | FP8 val loss | FP8 - bf16 | bf16 / FP8 train loss (last 20) | bf16 s | "
+                  "FP8 s |", "|---|---|---|---|---|---|---|"]
         for b, f in zip(t["runs"]["bf16-mixed"], t["runs"]["fp8"]):
+            train = " / ".join(f"{r['train_loss_last20']:.4f}" if "train_loss_last20" in r else "-" for r in (b, f))
             lines.append(f"| {b['seed']} | {b['val_loss']:.4f} | {f['val_loss']:.4f} | {f['val_loss'] - b['val_loss']:+.4f} "
-                         f"| {b['seconds']:.0f} | {f['seconds']:.0f} |")
+                         f"| {train} | {b['seconds']:.0f} | {f['seconds']:.0f} |")
         su = t["summary"]
         lines += ["", f"- bf16-mixed: mean {su['bf16-mixed']['mean']:.4f} (sd {su['bf16-mixed']['sd']:.4f}); FP8: mean "
                       f"{su['fp8']['mean']:.4f} (sd {su['fp8']['sd']:.4f})",
@@ -280,11 +290,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="training: cosine, warmup then decay to zero (default); constant: the same warmup, then held")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "moe"))
     args = parser.parse_args()
     result = {"machine": machine(), "sqnr": sqnr(), "kernels": layer_kernels()}
     if not args.skip_training:
-        result["training"] = training(args.seeds, args.steps)
+        result["training"] = training(args.seeds, args.steps, args.schedule)
     write_results(args.out, result, markdown)
 
 

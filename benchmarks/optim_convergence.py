@@ -5,8 +5,10 @@ Corpus: the CPython standard library's own .py files (sorted paths, site-package
 
 Every variant of one seed starts from the same initial weights and sees the same batches in the same order;
 the LR warms up linearly then decays to zero with a cosine (docs/measuring.md: with a constant LR a 1e-8 change of eps
-moves the final loss by 1%, with decay to zero by 0.001%). The final loss is measured on a fixed validation
-set (positions drawn once, independent of the seed). The gap of a variant is (loss - adamw) / adamw per seed;
+moves the final loss by 1%, with decay to zero by 0.001%); `--schedule constant` holds the LR after the same
+warmup instead. The final loss is measured on a fixed validation set (positions drawn once, independent of the seed)
+in eval mode without gradients, reported beside the training loss (an EMA over the last 50 steps) and the machine
+(bench_io.machine(): CPU, threads, BF16 hardware or not). The gap of a variant is (loss - adamw) / adamw per seed;
 the report gives its mean and spread next to the seed-to-seed spread of the baseline itself.
 
 Variants:
@@ -24,6 +26,7 @@ Variants:
                             denominator is biased ~10% high (fp8_sqrtv)
 
 Usage: python benchmarks/optim_convergence.py [--steps 800] [--seeds 0 1 2] [--variants ...] [--reuse earlier.json]
+                                              [--schedule constant]
 Writes benchmarks/results/optim_convergence.json and .md.
 
 (Length: one self-contained benchmark script: corpus, model, variants, report.)
@@ -35,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -49,6 +51,9 @@ from torch import nn
 
 from lightning_fp8.optim import FP8AdamW, state_bytes_per_param
 from lightning_fp8.optim import moment_storage as opt_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import SCHEDULES, hold_after_warmup, machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -148,14 +153,14 @@ VARIANTS = ["adamw", "fp8", "fp8_sqrtv", "fp8_bf16v", "fp8_bf16master", "bf16par
             "ablation_adamw_lr_x0.9"]
 
 
-def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
+def lr_lambda(total: int, warmup: int, schedule: str = "cosine") -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return f
+    return hold_after_warmup(f, warmup) if schedule == "constant" else f
 
 
 @torch.no_grad()
@@ -174,7 +179,7 @@ def run(variant: str, seed: int, args, train: torch.Tensor, val: torch.Tensor, v
     torch.manual_seed(seed)
     model = CharGPT(ctx=args.ctx)
     opt = make_optimizer(variant, model, args.lr, args.wd, (args.beta1, args.beta2))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, args.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, args.warmup, args.schedule))
     order = torch.Generator().manual_seed(10_000 + seed)  # same batches for every variant of this seed
     t0 = time.perf_counter()
     train_loss = float("nan")
@@ -188,7 +193,8 @@ def run(variant: str, seed: int, args, train: torch.Tensor, val: torch.Tensor, v
         opt.step()
         sched.step()
         if step >= args.steps - 50:
-            train_loss = loss.item() if step == args.steps - 50 else 0.98 * train_loss + 0.02 * loss.item()
+            first = step == max(0, args.steps - 50)  # runs shorter than 50 steps: the EMA starts at step 0
+            train_loss = loss.item() if first else 0.98 * train_loss + 0.02 * loss.item()
     seconds = time.perf_counter() - t0
     opt_state.FP8_SQRT_V_ROUNDING = "stochastic"
     val_loss = evaluate(model, val, val_starts, args.ctx, args.batch)
@@ -206,6 +212,7 @@ def summarize(results: List[Dict], variants: List[str], seeds: List[int]) -> Dic
             val_loss_mean=statistics.mean(base),
             val_loss_seed_sd=statistics.stdev(base) if len(base) > 1 else 0.0,
             seed_spread_rel=(statistics.stdev(base) / statistics.mean(base)) if len(base) > 1 else 0.0,
+            train_loss_ema_mean=statistics.mean(by[("adamw", s)]["train_loss_ema"] for s in seeds),
         )
     }
     for v in variants:
@@ -215,6 +222,7 @@ def summarize(results: List[Dict], variants: List[str], seeds: List[int]) -> Dic
         losses = [by[(v, s)]["val_loss"] for s in seeds]
         summary[v] = dict(
             val_loss_mean=statistics.mean(losses),
+            train_loss_ema_mean=statistics.mean(by[(v, s)]["train_loss_ema"] for s in seeds),
             rel_gap_per_seed=gaps,
             rel_gap_mean=statistics.mean(gaps),
             rel_gap_sd=statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
@@ -225,13 +233,8 @@ def summarize(results: List[Dict], variants: List[str], seeds: List[int]) -> Dic
 
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """The CPU's model name (benchmarks/optim_memory.py records it too)."""
+    return machine()["cpu"]
 
 
 def write_report(meta: Dict, summary: Dict, results: List[Dict], stem: str) -> None:
@@ -241,24 +244,29 @@ def write_report(meta: Dict, summary: Dict, results: List[Dict], stem: str) -> N
     lines = [
         "# FP8AdamW convergence vs torch.optim.AdamW",
         "",
-        f"{meta['date']}, torch {meta['torch']}, {meta['cpu']} ({meta['threads']} threads).",
+        f"{meta['date']}, torch {meta['torch']}, {meta['cpu']} ({meta['threads']} threads, BF16 hardware: "
+        f"{meta['machine']['bf16_hardware']}).",
         f"Char-GPT (2 layers, d_model 128, 4 heads, context {a['ctx']}), bytes of the CPython stdlib "
         f"({meta['corpus_bytes']/1e6:.1f} MB, 90/10 split), {a['steps']} steps of batch {a['batch']}, "
-        f"lr {a['lr']} with {a['warmup']} warmup steps then cosine to zero, weight decay {a['wd']}, "
+        f"lr {a['lr']} with {a['warmup']} warmup steps then "
+        f"{'constant' if a.get('schedule') == 'constant' else 'cosine to zero'}, weight decay {a['wd']}, "
         f"betas ({a['beta1']}, {a['beta2']}), seeds {meta['seeds']}. Final loss on a fixed validation set of "
-        f"{a['val_batches']}x{a['batch']} sequences.",
+        f"{a['val_batches']}x{a['batch']} sequences (eval mode, no gradients).",
         "",
-        "| variant | state bytes/param | val loss (mean) | rel. gap vs AdamW (mean) | gap sd over seeds | per-seed gaps |",
-        "|---|---|---|---|---|---|",
+        "| variant | state bytes/param | val loss (mean) | rel. gap vs AdamW (mean) | gap sd over seeds | per-seed gaps "
+        "| train loss EMA (mean) |",
+        "|---|---|---|---|---|---|---|",
     ]
     base = summary["adamw"]
-    lines.append(f"| adamw (fp32 state) | 8.00 | {base['val_loss_mean']:.4f} | - | - | - |")
+    lines.append(f"| adamw (fp32 state) | 8.00 | {base['val_loss_mean']:.4f} | - | - | - | "
+                 f"{base['train_loss_ema_mean']:.4f} |")
     for v, s in summary.items():
         if v == "adamw":
             continue
         per = ", ".join(f"{g*100:+.2f}%" for g in s["rel_gap_per_seed"])
         lines.append(f"| {v} | {s['state_bytes_per_param']:.2f} | {s['val_loss_mean']:.4f} | "
-                     f"{s['rel_gap_mean']*100:+.2f}% | {s['rel_gap_sd']*100:.2f}% | {per} |")
+                     f"{s['rel_gap_mean']*100:+.2f}% | {s['rel_gap_sd']*100:.2f}% | {per} | "
+                     f"{s['train_loss_ema_mean']:.4f} |")
     lines += [
         "",
         f"Seed-to-seed spread of the AdamW baseline itself: sd {base['val_loss_seed_sd']:.4f} "
@@ -351,6 +359,8 @@ def main(argv=None) -> None:
     ap.add_argument("--val-batches", type=int, default=32)
     ap.add_argument("--corpus-bytes", type=int, default=8_000_000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                    help="cosine: warmup then decay to zero (default); constant: the same warmup, then held")
     ap.add_argument("--out", default="optim_convergence", help="file stem under benchmarks/results/")
     ap.add_argument("--reuse", default=None, help="a results JSON of an earlier run with the same settings: its "
                     "(variant, seed) runs are taken from there instead of being run again (runs are deterministic)")
@@ -378,16 +388,17 @@ def main(argv=None) -> None:
             earlier = {"meta": {"args": vars(args)}, "runs": runs}
         else:
             earlier = json.loads(text)
-        same = ("steps", "warmup", "batch", "ctx", "lr", "wd", "beta1", "beta2", "val_batches", "corpus_bytes")
-        if any(earlier["meta"]["args"][k] != vars(args)[k] for k in same):
+        same = ("steps", "warmup", "batch", "ctx", "lr", "wd", "beta1", "beta2", "val_batches", "corpus_bytes", "schedule")
+        if any(dict({"schedule": "cosine"}, **earlier["meta"]["args"])[k] != vars(args)[k] for k in same):
             raise SystemExit(f"--reuse {args.reuse}: settings differ from this run's")
         reused = {(r["variant"], r["seed"]): r for r in earlier["runs"]}
+    host = machine()  # before the runs: its load average is the one they started under
     results = [reused.get((v, s)) or run(v, s, args, train, val, val_starts) for s in args.seeds for v in variants]
     summary = summarize(results, variants, args.seeds)
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        torch=torch.__version__, python=sys.version.split()[0], cpu=cpu_name(), threads=args.threads,
-        corpus_bytes=len(data), seeds=args.seeds, args=vars(args),
+        torch=torch.__version__, python=sys.version.split()[0], cpu=host["cpu"], threads=args.threads,
+        corpus_bytes=len(data), seeds=args.seeds, args=vars(args), machine=host,
     )
     write_report(meta, summary, results, args.out)
     print(json.dumps(summary, indent=2))

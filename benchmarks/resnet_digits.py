@@ -1,24 +1,26 @@
 """ResNet-18 on the digits: high precision vs FP8 (default recipe) vs FP8 (`mellempudi` preset), several seeds.
 
-    python benchmarks/resnet_digits.py --time-bf16-step [--seeds 0 1 2] [--epochs 6]
+    python benchmarks/resnet_digits.py --time-bf16-step [--seeds 0 1 2] [--epochs 6] [--schedule constant]
                                        [--out benchmarks/results/resnet_digits]
 
 The model and data of examples/resnet_digits.py: transformers' ResNetForImageClassification (basic blocks, depths
-2-2-2-2, widths 64-512, 20 convolutions) on scikit-learn's 1797 handwritten 8x8 digits upscaled to 32x32, a fixed
-75 / 25 split; AdamW (lr 2e-3, weight decay 5e-4), batch 64, 6 epochs (126 steps; float32 reaches about 98.7% test
+2-2-2-2, widths 64-512, 20 convolutions) on scikit-learn's 1797 handwritten 8x8 digits upscaled to 32x32, a fixed 75 /
+25 split; AdamW (lr 2e-3, weight decay 5e-4), batch 64, 6 epochs (126 steps; float32 reaches about 98.7% test
 accuracy), linear warmup over 20 steps then cosine decay to zero, so runs are compared at their end
-(docs/measuring.md). 6 epochs, not 3: at 3 epochs the model is still learning and float32's own accuracy varies by
-1.0 point (sd) from seed to seed, as much as the 1-point bar the FP8 runs are held to; at 6 it varies by 0.13
-(benchmarks/results/resnet_digits_3epochs.md keeps the 3-epoch run). Each seed fixes the initialisation and the data order, the
-same for the three precisions; the score is the test-set accuracy after the last step (FP8 runs evaluate in FP8, as
-FP8Precision does by default).
+(docs/measuring.md; `--schedule constant` holds the LR after the same warmup instead). 6 epochs, not 3: at 3 epochs
+the model is still learning and float32's own accuracy varies by 1.0 point (sd) from seed to seed, as much as the
+1-point bar the FP8 runs are held to; at 6 it varies by 0.13 (benchmarks/results/resnet_digits_3epochs.md keeps the
+3-epoch run). Each seed fixes the initialisation and the data order, the same for the three precisions; the score is
+the test-set accuracy after the last step, in eval mode without gradients (FP8 runs evaluate in FP8, as FP8Precision
+does by default), reported beside the last step's training loss and the machine (bench_io.machine(): CPU, threads,
+BF16 hardware or not).
 
-The high-precision baseline is float32, not BF16: this CPU has no BF16 hardware, where one BF16 training step of this
-model takes tens of seconds (`--time-bf16-step` measures it), so a BF16 baseline run would take hours. The FP8 runs
-are float32 everywhere but their FP8 GEMMs (convert_to_fp8 + FP8TrainingEngine in a plain loop, which is what
-FP8Precision drives, without its BF16 autocast): the comparison isolates what FP8 changes. The engine's loss scaling
-is its "auto" choice: none for the default recipe (gradients scaled per tensor), dynamic for `mellempudi` (gradients
-cast unscaled).
+The high-precision baseline is float32, not BF16: the CPU of the committed run has no BF16 hardware, where one BF16
+training step of this model takes tens of seconds (`--time-bf16-step` measures it), so a BF16 baseline run would take
+hours. The FP8 runs are float32 everywhere but their FP8 GEMMs (convert_to_fp8 + FP8TrainingEngine in a plain loop,
+which is what FP8Precision drives, without its BF16 autocast): the comparison isolates what FP8 changes. The engine's
+loss scaling is its "auto" choice: none for the default recipe (gradients scaled per tensor), dynamic for `mellempudi`
+(gradients cast unscaled).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ sys.path.insert(0, ROOT)
 from lightning_fp8 import FP8Recipe, convert_to_fp8, precision_map  # noqa: E402
 from lightning_fp8.engine import FP8TrainingEngine, StabilityConfig  # noqa: E402
 from lightning_fp8.presets import get_preset  # noqa: E402
-from bench_io import machine  # noqa: E402
+from bench_io import SCHEDULES, hold_after_warmup, machine  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -79,7 +81,10 @@ def train_once(variant: str, seed: int, args, train, test) -> dict:
                         generator=torch.Generator().manual_seed(seed))
     total = args.epochs * len(loader)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: EXAMPLE.warmup_cosine(s, total, 20))
+    schedule = lambda s: EXAMPLE.warmup_cosine(s, total, 20)  # noqa: E731
+    if args.schedule == "constant":
+        schedule = hold_after_warmup(schedule, 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     if engine is not None:
         engine.track([opt], [sched])
     losses = []
@@ -155,8 +160,8 @@ def markdown(result: dict) -> str:
              f"torch {m['torch']}, transformers {m['transformers']})", "",
              "Written by `python benchmarks/resnet_digits.py` (see its docstring for the setup). config: "
              f"{json.dumps(cfg)}", "",
-             "**Baseline precision: float32**, standing in for BF16: this CPU has no BF16 hardware "
-             f"(BF16 hardware: {m['bf16_hardware']}); {_bf16_step_text(result, cfg)}. The FP8 runs compute "
+             "**Baseline precision: float32**, standing in for BF16 (BF16 hardware on this CPU: "
+             f"{m['bf16_hardware']}); {_bf16_step_text(result, cfg)}. The FP8 runs compute "
              "everything that is not an FP8 GEMM in float32 too. FP8 GEMMs are emulated (real FP8 casts, float32 "
              "products). Times are wall-clock on a machine shared with other jobs (1-minute load average "
              f"{load:.1f} at the start, on 2 cores): they say what a run cost "
@@ -186,7 +191,9 @@ def markdown(result: dict) -> str:
             extra = (f"; each run vs the float32 mean: worst {worst:+.2f} points; skipped steps "
                      f"{sum(r['skipped_steps'] for r in rs)}, rollbacks {sum(r['rollbacks'] for r in rs)}, "
                      f"final loss scales {sorted({r['loss_scale'] for r in rs})}")
-        lines.append(f"- {v}: mean {statistics.mean(accs):.2f}% (sd {sd:.2f} over seeds), mean train time "
+        train_loss = statistics.mean(by[(v, s)]["final_train_loss"] for s in seeds if (v, s) in by)
+        lines.append(f"- {v}: mean {statistics.mean(accs):.2f}% (sd {sd:.2f} over seeds), mean final train loss "
+                     f"{train_loss:.4f}, mean train time "
                      f"{statistics.mean(by[(v, s)]['train_s'] for s in seeds if (v, s) in by):.0f} s{extra}")
     lines.append(f"- float32 seed-to-seed sd: {base_sd:.2f} points")
     return "\n".join(lines) + "\n"
@@ -200,18 +207,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="cosine: warmup then decay to zero (default); constant: the same warmup, then held")
     parser.add_argument("--time-bf16-step", action="store_true", help="also time one BF16-autocast training step")
     parser.add_argument("--out", default="benchmarks/results/resnet_digits")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs <out>.json has (same config), run the rest")
     args = parser.parse_args()
     train, test = EXAMPLE.digits(args.image_size)
-    config = {k: getattr(args, k) for k in ("seeds", "epochs", "batch_size", "lr", "image_size")}
+    config = {k: getattr(args, k) for k in ("seeds", "epochs", "batch_size", "lr", "image_size", "schedule")}
     result = {"machine": machine(transformers=_transformers_version()), "runs": [], "config": config}
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             saved = json.load(f)
-        if saved["config"] != config:
+        if dict({"schedule": "cosine"}, **saved["config"]) != config:  # results before --schedule are cosine
             raise SystemExit(f"--resume: {args.out}.json has config {saved['config']}, not {config}")
         result["runs"] = saved["runs"]
         if "bf16_step_s" in saved:

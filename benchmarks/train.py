@@ -10,10 +10,12 @@ Precisions (several per run, `--precision a,b,...`):
   fp8+fp8-optim   fp8 plus lightning_fp8.optim.FP8AdamW (compressed moments) when importable
   torchao         torchao.float8.convert_to_float8_training (+ torch.compile) when importable
 `--compile` compiles the model for every precision. Data: byte-level text of CPython's standard library
-(no download), fixed random windows; validation on a fixed held-out set. Reports tokens/s (after warmup),
-peak GPU memory, final train loss (mean of the last 10% of steps) and validation loss. Writes
-benchmarks/results/train_<device>.json and .md after each run. The LR is constant: loss numbers here are a
-sanity check that every precision trains, not a quality comparison (docs/measuring.md).
+(no download), fixed random windows; validation on a fixed held-out set (eval mode, no gradients, the FP8 forward as
+in training). Reports tokens/s (after warmup), peak GPU memory, final train loss (mean of the last 10% of steps) and
+validation loss, and the machine (bench_io.machine(): CPU, threads, BF16 hardware or not). Writes
+benchmarks/results/train_<device>.json and .md after each run. The LR is constant by default (`--schedule cosine`
+decays it to zero over the run, no warmup): loss numbers here are a sanity check that every precision trains, not a
+quality comparison (docs/measuring.md).
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_fp8 import convert_to_fp8  # noqa: E402
 from lightning_fp8.modules.gemm import FP8EmulationWarning  # noqa: E402
+from bench_io import machine  # noqa: E402
 
 MODELS = {
     # d_model, n_layer, n_head, seq_len, batch: ~1.0e9 params (12 * L * d^2 = 12 * 20 * 2048^2)
@@ -150,6 +154,9 @@ def run(precision, model_name, cfg, args, device, data):
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    sched = None
+    if args.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
     losses, times = [], []
     tokens = cfg["batch"] * cfg["seq_len"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -167,6 +174,8 @@ def run(precision, model_name, cfg, args, device, data):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            if sched is not None:
+                sched.step()
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
                 row["error"] = f"non-finite loss at step {step}"
@@ -196,8 +205,10 @@ def to_markdown(meta, rows):
     lines = [
         f"# GPT training benchmark: {meta['device_name']}",
         "",
-        f"torch {meta['torch']}, {meta['steps']} steps ({meta['warmup']} warmup excluded from timing), constant LR "
-        f"{meta['lr']}, compile={meta['compile']}, {meta['when']}"
+        f"torch {meta['torch']}, {meta['steps']} steps ({meta['warmup']} warmup excluded from timing), "
+        f"{'cosine-to-zero' if meta.get('schedule') == 'cosine' else 'constant'} LR {meta['lr']}, "
+        f"compile={meta['compile']}, {meta['when']}, CPU {meta['machine']['cpu']} (BF16 hardware: "
+        f"{meta['machine']['bf16_hardware']})"
         + (" — SMOKE RUN (tiny model; numbers mean nothing)" if meta["smoke"] else ""),
         "",
         "| model | precision | params (M) | step ms | tokens/s | speedup vs bf16 | peak GiB | train loss | val loss | note |",
@@ -226,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--val-batches", type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                   help="constant LR (default) or cosine decay to zero over --steps (no warmup)")
     p.add_argument("--batch", type=int, default=None, help="override the model's batch size")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--device", default=None)
@@ -244,10 +257,12 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "lr": args.lr,
+        "schedule": args.schedule,
         "compile": args.compile,
         "smoke": args.smoke,
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "data": f"CPython stdlib text, {data.numel()} bytes",
+        "machine": machine(),
     }
     tag = "".join(c if c.isalnum() else "-" for c in meta["device_name"]).strip("-").lower()
     out_dir = Path(args.out_dir)
