@@ -1,3 +1,4 @@
+import logging
 import warnings
 
 import pytest
@@ -12,6 +13,31 @@ def _quiet_and_seeded():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FP8EmulationWarning)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog(monkeypatch):
+    """Lightning's "lightning.fabric" / "lightning.pytorch" loggers stop propagating to the root logger when they are
+    first imported while the root has no handler (outside pytest's capture, e.g. by an earlier test's import in the
+    same worker): `caplog` then misses what the Fabric plugin logs through Lightning's rank_zero_info, and a test
+    reading it passes or fails by test order. Every test sees them propagate."""
+    for name in ("lightning.fabric", "lightning.pytorch"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_in_this_process(monkeypatch):
+    """Lightning's strategies set the process-wide `rank_zero_only.rank` to their global rank at setup and never set
+    it back: a test that sets up a strategy of another rank in this worker would silence every rank_zero_info /
+    rank_zero_warn of the tests after it. Every test starts as rank 0 (the rank the single test process is)."""
+    import sys
+
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning_utilities.core.rank_zero"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module.rank_zero_only, "rank"):
+            monkeypatch.setattr(module.rank_zero_only, "rank", 0)
+    yield
 
 
 @pytest.fixture
