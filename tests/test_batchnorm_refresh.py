@@ -150,8 +150,8 @@ def test_callback_refreshes_checkpoints_and_the_final_model_without_changing_tra
     refresh = BatchNormRefresh()
     every_step = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=2, save_top_k=-1)
     on_val = ModelCheckpoint(dirpath=tmp_path / "val", monitor="val_acc", mode="max", save_top_k=-1)
-    module, trainer = fit(tmp_path / "a", [refresh, every_step, on_val], plugin(), momentum=0.01)
-    plain, _ = fit(tmp_path / "b", [], plugin(), momentum=0.01)
+    module, trainer = fit(tmp_path / "a", [refresh, every_step, on_val], plugin(), momentum=0.01, max_epochs=2)
+    plain, _ = fit(tmp_path / "b", [], plugin(), momentum=0.01, max_epochs=2)
     # no backward, no optimizer step, RNG streams restored: the training run is the one without the callback
     for (name, p), q in zip(module.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
@@ -159,12 +159,12 @@ def test_callback_refreshes_checkpoints_and_the_final_model_without_changing_tra
     # the lagging momentum-0.01 average the plain run keeps
     final = batchnorm_layers(module)
     assert all(int(m.num_batches_tracked) == 5 for m in final.values())
-    assert all(int(m.num_batches_tracked) == 15 for m in batchnorm_layers(plain).values())
+    assert all(int(m.num_batches_tracked) == 10 for m in batchnorm_layers(plain).values())
     assert refresh.last_refresh.batches == 5 and refresh.last_refresh.shift[refresh.last_refresh.worst] > 0
     # checkpoints saved between validations (every 2 steps) and after validation both hold refreshed statistics
     step_ckpts = sorted((tmp_path / "steps").glob("*.ckpt"))
     val_ckpts = sorted((tmp_path / "val").glob("*.ckpt"))
-    assert len(step_ckpts) >= 3 and len(val_ckpts) == 3
+    assert len(step_ckpts) >= 3 and len(val_ckpts) == 2
     for path in step_ckpts + val_ckpts:
         state = torch.load(path, weights_only=False)["state_dict"]
         assert int(state["model.1.num_batches_tracked"]) == 5, path.name
