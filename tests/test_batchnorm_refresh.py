@@ -176,8 +176,9 @@ def test_callback_refreshes_checkpoints_and_the_final_model_without_changing_tra
 
 
 def test_callback_validation_sees_refreshed_statistics(tmp_path):
-    """Validation after a refresh normalises with current statistics: its accuracy is the accuracy the model scores
-    with statistics re-estimated by hand at the same step, and differs from the lagging run's."""
+    """Validation after a refresh normalises with the refreshed statistics: the logged accuracy is the one the model
+    scores in eval mode with them (momentum 0.01: without the refresh the statistics would still be near their
+    initial values)."""
     refresh = BatchNormRefresh(before_checkpoint=False, at_fit_end=False)
     module, trainer = fit(tmp_path, [refresh], [FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))],
                           momentum=0.01, max_epochs=1)
@@ -228,3 +229,97 @@ def test_mid_epoch_refresh_keeps_the_epoch_of_a_persistent_worker_loader(tmp_pat
     trainer.fit(Classifier(0.1), train, val)
     assert count.per_epoch == {0: 5, 1: 5}
     assert refresh.last_refresh is not None and refresh.last_refresh.batches == 5
+
+
+def test_true_half_precision_inputs_are_converted_as_lightnings_loops_do(tmp_path):
+    """precision="bf16-true": the weights are bf16, so the refresh's batches go through the plugin's convert_input
+    as training's do (a float32 batch into bf16 weights raised at the first validation)."""
+    x, y = images(192)
+    train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32)
+    val = DataLoader(TensorDataset(x[160:], y[160:]), batch_size=32)
+    refresh = BatchNormRefresh()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        precision="bf16-true", callbacks=[refresh], enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Classifier(0.1), train, val)
+    assert refresh.last_refresh is not None and refresh.last_refresh.batches == 5
+
+
+class FrozenFirstBatchNorm(Classifier):
+    """Keeps the first BatchNorm in eval mode while training, as a frozen pretrained backbone is kept."""
+
+    def on_train_epoch_start(self):
+        self.model[1].eval()
+
+
+def test_a_batchnorm_layer_kept_in_eval_mode_keeps_its_statistics_and_training_is_unchanged(tmp_path):
+    def run(callbacks):
+        torch.manual_seed(0)
+        module = FrozenFirstBatchNorm(0.1)
+        module.model[1].running_mean.fill_(0.25)  # "pretrained" statistics
+        x, y = images(192)
+        train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32, shuffle=True,
+                           generator=torch.Generator().manual_seed(1))
+        val = DataLoader(TensorDataset(x[160:], y[160:]), batch_size=32)
+        L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                  plugins=[FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))],
+                  default_root_dir=tmp_path).fit(module, train, val)
+        return module
+
+    refresh = BatchNormRefresh()
+    refreshed, plain = run([refresh]), run([])
+    assert set(refresh.last_refresh.shift) == {"model.4", "model.10"}  # not the frozen one
+    assert torch.equal(refreshed.model[1].running_mean, torch.full((16,), 0.25))
+    for (name, p), q in zip(refreshed.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_the_lag_is_logged_at_the_step_it_was_measured(tmp_path):
+    """With the trainer's default-style interval (every 2 steps here) each measurement lands at its own step."""
+    x, y = images(192)
+    train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32)
+    refresh = BatchNormRefresh()
+    logger = CSVLogger(tmp_path)
+    L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=logger, log_every_n_steps=2,
+              enable_checkpointing=False, callbacks=[refresh], enable_progress_bar=False, enable_model_summary=False,
+              default_root_dir=tmp_path).fit(Classifier(0.1), train)
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    lag_steps = [int(r["step"]) for r in rows if r.get("batchnorm/lag")]
+    assert lag_steps == [0, 2, 4, 6, 8]
+
+
+def test_a_copied_state_dict_with_a_wrapper_prefix_gets_the_refreshed_statistics():
+    from lightning_fp8.callbacks.batchnorm_refresh import patch_state_dict
+
+    module = Classifier(0.1)
+    saved = {f"_forward_module.{k}": v.clone() for k, v in module.state_dict().items()}
+    for m in batchnorm_layers(module).values():
+        m.running_mean.add_(1.0)
+    assert patch_state_dict(saved, module, ["model.1", "model.4"]) == 6
+    assert torch.equal(saved["_forward_module.model.1.running_mean"], module.model[1].running_mean)
+    assert not torch.equal(saved["_forward_module.model.10.running_mean"], module.model[10].running_mean)
+
+
+class FailsAtStep3(Classifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_checkpoint_saved_because_the_run_failed_is_not_refreshed(tmp_path):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    x, y = images(192)
+    train = DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32)
+    refresh = BatchNormRefresh()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        callbacks=[refresh, OnExceptionCheckpoint(tmp_path)], enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailsAtStep3(0.1), train)
+    assert (tmp_path / "on_exception.ckpt").exists()
+    assert refresh.last_refresh is None

@@ -170,27 +170,36 @@ def training_step_forward(pl_module) -> Optional[ForwardFn]:
 def train_iterable(trainer) -> Optional[Iterable]:
     """The trainer's train dataloader(s) as one iterable of batches whose iterator is independent of the epoch's: a
     DataLoader with persistent workers hands every `iter()` the same worker iterator, reset (a second iterator
-    during an epoch would cut the epoch short), so it is read through a single-process twin instead."""
+    during an epoch would cut the epoch short), so it is read through a twin without persistent workers."""
     loaders = trainer.train_dataloader
     if loaders is None:
         return None
     if isinstance(loaders, (list, tuple, dict)):
         from lightning.pytorch.utilities import CombinedLoader
 
-        combined = CombinedLoader(loaders, mode="max_size_cycle")
+        independent = ({k: _independent(v) for k, v in loaders.items()} if isinstance(loaders, dict)
+                       else type(loaders)(_independent(v) for v in loaders))
+        combined = CombinedLoader(independent, mode="max_size_cycle")
         return (item[0] for item in combined)
     return _independent(loaders)
 
 
 def _independent(loader: Iterable) -> Iterable:
+    """`loader`, or for a DataLoader with persistent workers the same loader (dataset, batching, sampler and its
+    generator, collate, workers and their init, pinning) without them."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if not (isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers > 0):
         return loader
+    kwargs = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                  multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                  prefetch_factor=loader.prefetch_factor, persistent_workers=False)
     if isinstance(loader.dataset, IterableDataset):
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
-                          drop_last=loader.drop_last)
-    return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn)
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
+    return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **kwargs)
 
 
 def _metric_state(metric: Metric) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, Mapp
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 #: forward(model, batch): runs the model on one batch (its result is ignored)
 BatchForward = Callable[[nn.Module, Any], Any]
@@ -31,7 +32,8 @@ def batchnorm_layers(model: nn.Module) -> Dict[str, _BatchNorm]:
     """The BatchNorm layers (1d/2d/3d, SyncBatchNorm, lazy ones once materialised) that keep running statistics,
     by qualified name. Layers built with `track_running_stats=False` always use batch statistics and are left out."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None}
+            if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None
+            and not is_lazy(m.running_mean)}
 
 
 def mean_shift(running_mean: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float) -> float:
@@ -103,6 +105,7 @@ def refresh_batchnorm(
     batches: Iterable[Any],
     forward: Optional[BatchForward] = None,
     context: Callable[[], ContextManager] = contextlib.nullcontext,
+    layers: Optional[Iterable[str]] = None,
 ) -> BatchNormRefreshResult:
     """Re-estimate every BatchNorm layer's running mean and variance from `batches` with the current weights.
 
@@ -119,21 +122,25 @@ def refresh_batchnorm(
         context: a factory of the context each forward runs in, e.g. the precision's autocast
             (`accelerator.autocast`, a Lightning precision plugin's `forward_context`), so the statistics are those
             of the precision eval runs in.
+        layers: names of the BatchNorm layers to refresh (default: all); the others keep their statistics and
+            normalise with them during the pass (eval mode), as a frozen layer does in training.
 
     Returns the BatchNormRefreshResult. Raises ValueError when `batches` is empty (the old statistics are kept).
     """
-    layers = batchnorm_layers(model)
-    if not layers:
+    found = batchnorm_layers(model)
+    chosen = found if layers is None else {name: found[name] for name in layers if name in found}
+    if not chosen:
         return BatchNormRefreshResult(0)
     forward = forward or default_forward
-    old = {name: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for name, m in layers.items()}
+    old = {name: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+           for name, m in chosen.items()}
     modes = {m: m.training for m in model.modules()}
-    momenta = {m: m.momentum for m in layers.values()}
+    momenta = {m: m.momentum for m in chosen.values()}
     n = 0
     done = False
     try:
         model.eval()
-        for m in layers.values():
+        for m in chosen.values():
             m.reset_running_stats()
             m.momentum = None
             m.train()
@@ -152,8 +159,8 @@ def refresh_batchnorm(
         for m, momentum in momenta.items():
             m.momentum = momentum
         if not done:
-            for name, m in layers.items():
+            for name, m in chosen.items():
                 for buffer, saved in zip((m.running_mean, m.running_var, m.num_batches_tracked), old[name]):
                     buffer.copy_(saved)
-    shift = {name: mean_shift(old[name][0], m.running_mean, m.running_var, m.eps) for name, m in layers.items()}
+    shift = {name: mean_shift(old[name][0], m.running_mean, m.running_var, m.eps) for name, m in chosen.items()}
     return BatchNormRefreshResult(n, shift)
