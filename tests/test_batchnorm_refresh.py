@@ -323,3 +323,72 @@ def test_a_checkpoint_saved_because_the_run_failed_is_not_refreshed(tmp_path):
         trainer.fit(FailsAtStep3(0.1), train)
     assert (tmp_path / "on_exception.ckpt").exists()
     assert refresh.last_refresh is None
+
+
+DDP_SCRIPT = '''
+import json, sys, warnings
+import torch
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from support.process_group import process_group_ended
+from test_batchnorm_refresh import Classifier, images
+from lightning_fp8 import BatchNormRefresh, FP8Precision, FP8Recipe
+import lightning_fp8.callbacks.batchnorm_refresh as callback_module
+
+local = []  # this rank's own estimate of the first BatchNorm's mean at each refresh, before the ranks average
+
+
+def recording(model, *args, **kwargs):
+    result = refresh(model, *args, **kwargs)
+    local.append(model.model[1].running_mean.tolist())
+    return result
+
+
+refresh, callback_module.refresh_batchnorm = callback_module.refresh_batchnorm, recording
+out = sys.argv[1]
+x, y = images(192)
+callback = BatchNormRefresh()
+trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, plugins=[FP8Precision(FP8Recipe(keep_first_last_in_bf16=False))],
+                    callbacks=[callback, ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1)])
+module = Classifier(0.01)
+with process_group_ended():
+    trainer.fit(module, DataLoader(TensorDataset(x[:160], y[:160]), batch_size=32, shuffle=True),
+                DataLoader(TensorDataset(x[160:], y[160:]), batch_size=32))
+    stats = {{name: [b.tolist() for b in (m.running_mean, m.running_var)]
+              for name, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}}
+    json.dump({{"stats": stats, "batches": callback.last_refresh.batches, "local": local[-1],
+               "weight": module.model[3].weight.detach().sum().item()}},
+              open(f"{{out}}/rank{{trainer.global_rank}}.json", "w"))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_ddp_ranks_average_their_statistics_and_checkpoints_hold_them(tmp_path):
+    """2 CPU processes (gloo), each refreshing from its own shard of the data (3 batches): both ranks end with the
+    average of their own estimates (not rank 0's, which DDP's buffer broadcast alone would give), the same weights,
+    and the last checkpoint rank 0 wrote holds those statistics."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "ddp_refresh.py"
+    script.write_text(DDP_SCRIPT.format(tests=tests))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["batches"] == r1["batches"] == 3
+    assert r0["stats"] == r1["stats"] and r0["weight"] == r1["weight"]
+    average = [(a + b) / 2 for a, b in zip(r0["local"], r1["local"])]
+    assert r0["local"] != r1["local"]
+    torch.testing.assert_close(torch.tensor(r0["stats"]["model.1"][0]), torch.tensor(average))
+    last = torch.load(tmp_path / "epoch=1-step=6.ckpt", weights_only=False)["state_dict"]
+    assert last["model.1.running_mean"].tolist() == r0["stats"]["model.1"][0]
