@@ -14,9 +14,11 @@ A callback records, in each run:
   as the mean over channels of (running_mean - batch_mean)^2 / batch_var and of |log(running_var / batch_var)|;
   and the eval-mode test accuracy (360 images);
 - every `--grad-every` steps, on a copy of the model at that step (same weights, FP8 scaling state and batch):
-  the weight gradient of each FP8 convolution computed three ways: as FP8 training computes it (FP8 forward, E5M2
+  the weight gradient of each FP8 convolution computed four ways: as FP8 training computes it (FP8 forward, E5M2
   gradients in both gradient GEMMs: `g8`), with the weight-gradient GEMM in BF16 (FP8 forward and input gradients:
-  `gw`, see eval_quality.emulate_bf16_weight_grad), and entirely in BF16 (`g16`); plus `g16` on four other random
+  `gw`, see eval_quality.emulate_bf16_weight_grad), with the FP8 forward only (both gradient GEMMs in BF16: `gf`),
+  and entirely in BF16 (`g16`): g8 - gw is the weight-gradient GEMM's share of the FP8 error, gw - gf the input-gradient
+  GEMMs' (their quantized gradients reaching this layer), gf - g16 the forward's (other activations); plus `g16` on four other random
   training batches, whose spread estimates the minibatch noise of one gradient. Reported per layer: relative errors
   ||g8 - g16|| / ||g16|| and ||g8 - gw|| / ||g16|| (the weight-gradient GEMM's own share), the minibatch noise
   ||g16_b - mean_b|| / ||g16|| (root mean over batches), the sign agreement of g8 and g16 (all elements, and the elements
@@ -148,6 +150,11 @@ class Probe:
             EQ.emulate_bf16_weight_grad(emul)
             gw = _loss_grads(emul, x, y, True, pnames)
             del emul
+            fwd_only = copy.deepcopy(pl_module.model)
+            fwd_only.train()
+            EQ.emulate_bf16_weight_grad(fwd_only, forward_too=True)
+            gf = _loss_grads(fwd_only, x, y, True, pnames)
+            del fwd_only
         others = []
         for _ in range(args.noise_batches):
             idx = torch.randperm(len(self.train), generator=self.rng)[:args.batch_size]
@@ -183,6 +190,8 @@ class Probe:
                 row.update({
                     "fp8_err_rel": _norm(e8) / max(_norm(ref), 1e-30),
                     "wgrad_gemm_err_rel": _norm(g8[n] - gw[n]) / max(_norm(ref), 1e-30),
+                    "dgrad_gemms_err_rel": _norm(gw[n] - gf[n]) / max(_norm(ref), 1e-30),
+                    "forward_err_rel": _norm(gf[n] - ref) / max(_norm(ref), 1e-30),
                     "fp8_err_adam_rms": float(((e8 / denom) ** 2).mean().sqrt()),
                     "wgrad_gemm_err_adam_rms": float((((g8[n] - gw[n]) / denom) ** 2).mean().sqrt()),
                     "sign_agree": float((torch.sign(g8[n]) == torch.sign(ref)).float().mean()),
@@ -303,6 +312,11 @@ def run_once(args, variant: str, seed: int, train, test) -> dict:
 
 
 # -- report -------------------------------------------------------------------------------------------------------
+def _opt(value: float) -> str:
+    """A mean that runs recorded before its field existed leave NaN: shown as "-" (not recorded)."""
+    return "-" if math.isnan(value) else f"{value:.4f}"
+
+
 def _mean(v: List[float]) -> float:
     v = [x for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
     return statistics.mean(v) if v else float("nan")
@@ -420,25 +434,26 @@ def report(runs: List[dict], out: str, machine: dict) -> str:
               "", "Averaged over FP8 convolutions, comparison steps and seeds. Relative errors are norms relative to "
               "||g16||; 'Adam units' divides element-wise by AdamW's sqrt(v_hat) and takes the RMS (1.0 = a full-size "
               "AdamW step for a lone gradient).", "",
-              "| variant | ||g8-g16|| | of it wgrad GEMM ||g8-gw|| | minibatch noise | in Adam units: FP8 error | "
-              "wgrad GEMM error | minibatch noise | g16 | sign agreement (all / small |g|) | zeros in g8 / g16 | "
-              "recomputed = real |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| variant | ||g8-g16|| | wgrad GEMM's share ||g8-gw|| | dgrad GEMMs' ||gw-gf|| | forward's ||gf-g16|| | "
+              "minibatch noise | in Adam units: FP8 error | wgrad GEMM error | minibatch noise | g16 | sign agreement "
+              "(all / small |g|) | zeros in g8 / g16 | recomputed = real |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         rows = [row for r in by[v] for g in r["grads"] for row in g["layers"].values()]
         if not rows:
             continue
         f = lambda k: _mean([row.get(k, float("nan")) for row in rows])  # noqa: E731
-        summary[v]["grads"] = {k: f(k) for k in rows[0]}
+        summary[v]["grads"] = {k: f(k) for k in set().union(*rows)}
         if "fp8_err_rel" in rows[0]:
             lines.append(f"| {v} | {f('fp8_err_rel'):.4f} | {f('wgrad_gemm_err_rel'):.4f} | "
-                         f"{f('minibatch_noise_rel'):.3f} | {f('fp8_err_adam_rms'):.4f} | "
+                         f"{_opt(f('dgrad_gemms_err_rel'))} | {_opt(f('forward_err_rel'))} | {f('minibatch_noise_rel'):.3f} | "
+                         f"{f('fp8_err_adam_rms'):.4f} | "
                          f"{f('wgrad_gemm_err_adam_rms'):.4f} | {f('minibatch_noise_adam_rms'):.3f} | "
                          f"{f('g16_adam_rms'):.3f} | {f('sign_agree'):.4f} / {f('sign_agree_small'):.4f} | "
                          f"{f('zero_in_fp8'):.2e} / {f('zero_in_bf16'):.2e} | "
                          f"max {max(row['real_vs_recomputed'] for row in rows):.1e} |")
         else:
-            lines.append(f"| {v} | - | - | {f('minibatch_noise_rel'):.3f} | - | - | {f('minibatch_noise_adam_rms'):.3f} | "
+            lines.append(f"| {v} | - | - | - | - | {f('minibatch_noise_rel'):.3f} | - | - | {f('minibatch_noise_adam_rms'):.3f} | "
                          f"{f('g16_adam_rms'):.3f} | - | - / {f('zero_in_bf16'):.2e} | "
                          f"max {max(row['real_vs_recomputed'] for row in rows):.1e} |")
     fp8v = [v for v in variants if v != "bf16" and any(r["grads"] and "fp8_err_rel" in
