@@ -37,12 +37,10 @@ variant mean, sd and 95% confidence interval (t distribution) over seeds, and pe
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_io
 
 warnings.simplefilter("ignore")
 
@@ -331,27 +330,24 @@ def train_once(args, variant: str, seed: int, train, test) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """bench_io.machine() plus the CPU's BF16 flags, the core count, Lightning's and transformers' versions and the
+    commit the runs ran on."""
+    from bench_io import machine as base_machine
+
     try:
         flags = open("/proc/cpuinfo").read()
         bf16_flags = sorted({f for f in ("avx512_bf16", "amx_bf16") if f in flags})
     except OSError:
         bf16_flags = []
-    from lightning_fp8.modules.emulation import cpu_has_native_bf16
     import lightning
     import transformers
 
-    return {"cpu": cpu, "cpu_bf16_flags": bf16_flags, "bf16_hardware": cpu_has_native_bf16(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "lightning": lightning.__version__, "transformers": transformers.__version__,
-            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip(),
-            "date": datetime.date.today().isoformat(), "load_average_1min": os.getloadavg()[0]}
+    info = base_machine(cpu_bf16_flags=bf16_flags, cores=os.cpu_count(), lightning=lightning.__version__,
+                        transformers=transformers.__version__,
+                        commit=subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                              text=True).stdout.strip())
+    info["load_average_1min"] = info.pop("load_average_1min_at_start")  # the key earlier runs recorded
+    return info
 
 
 def config_of(args) -> dict:
