@@ -18,7 +18,8 @@ After the fit, on the 360 test images, it records:
 - batch statistics: only the BatchNorm layers in train mode (test batches of 72), the FP8 layers left in eval mode so
   their scaling state is not touched, BatchNorm's running buffers restored afterwards;
 - re-estimated statistics: BatchNorm running statistics reset and recomputed as a cumulative average over one pass of
-  the training data (momentum=None, what torch.optim.swa_utils.update_bn does), then eval mode;
+  the training data (momentum=None, what torch.optim.swa_utils.update_bn does) by lightning_fp8.refresh_batchnorm,
+  then eval mode;
 and after every epoch the eval-mode test accuracy (the FP8 layers evaluate without touching their state).
 
 Variants (`VARIANTS`): bf16; bf16-eps (bf16 with AdamW eps 1.1e-8 instead of 1e-8: a perturbation that changes
@@ -234,7 +235,7 @@ def _restore_bn(saved) -> None:
 
 
 def final_measurements(module, trainer, train, test, args) -> Dict[str, float]:
-    from lightning_fp8 import fp8_autocast
+    from lightning_fp8 import fp8_autocast, refresh_batchnorm
 
     plugin = trainer.precision_plugin
     context = plugin.forward_context
@@ -262,15 +263,8 @@ def final_measurements(module, trainer, train, test, args) -> Dict[str, float]:
         r = evaluate(module, test_loader, context)
         out.update(batchstat_acc=r["acc"], batchstat_loss=r["loss"])
         _restore_bn(saved)
-        # re-estimate: cumulative average over one pass of the training data (swa_utils.update_bn's rule)
-        _set_mode(module, bn_train=True)
-        for bn in bn_layers(module):
-            bn.reset_running_stats()
-            bn.momentum = None
-        with torch.no_grad():
-            for x, _ in DataLoader(train, batch_size=args.batch_size):
-                with context():
-                    module(x)
+        # re-estimate over one pass of the training data: the library's refresh_batchnorm (BatchNormRefresh's rule)
+        refresh_batchnorm(module, (x for x, _ in DataLoader(train, batch_size=args.batch_size)), context=context)
         _set_mode(module, bn_train=False)
         r = evaluate(module, test_loader, context)
         out.update(reestimated_acc=r["acc"], reestimated_loss=r["loss"])

@@ -51,6 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
 import eval_quality as EQ  # noqa: E402
+from lightning_fp8.engine.batchnorm_stats import mean_shift  # noqa: E402
 
 warnings.simplefilter("ignore")
 
@@ -128,7 +129,7 @@ class Probe:
         for n, m in bns.items():
             mean, var = store[n]
             rm, rv = m.running_mean.float(), m.running_var.float()
-            out[n] = {"mean_shift": float(((rm - mean) ** 2 / (var + m.eps)).mean()),
+            out[n] = {"mean_shift": mean_shift(rm, mean, var, m.eps),
                       "log_var_ratio": float(((rv + m.eps) / (var + m.eps)).log().abs().mean())}
         return out
 
